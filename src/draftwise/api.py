@@ -1,0 +1,339 @@
+"""Public generation API: :func:`generate` and its streaming form :func:`stream`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .drafters import Drafter, make_drafter
+from .engine import DEFAULT_BUDGET, FinishReason, context_length, decode
+from .errors import InvalidRequestError, UnsupportedOptionError
+from .stats import GenerationStats
+
+Messages = Sequence[Mapping[str, Any]]
+
+#: Sampling options; every one must be at its greedy value until sampling verification is available.
+_GREEDY_VALUES: dict[str, Any] = {"temperature": (None, 0, 0.0), "do_sample": (None, False)}
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+        text: the generated text (special tokens skipped, cut before a matched stop sequence).
+        token_ids: the generated token ids (EOS or the token that completed a stop sequence included).
+        prompt_ids: the prompt's token ids as fed to the model.
+        finish_reason: ``"eos"``, ``"stop"`` or ``"length"``.
+        stats: steps, MAT, acceptance, tokens/s, time to first token (see :mod:`draftwise.stats`).
+        method: the decoding method used.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    method: str = ""
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Messages, chat_template: bool | None = None) -> list[int]:
+    """Token ids of ``prompt``: chat messages go through the tokenizer's chat template (with the generation
+    prompt); a plain string is tokenized as is, or wrapped as one user message when ``chat_template=True``."""
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer: pass one to generate() (or token ids via prompt_ids)")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InvalidRequestError("the prompt is empty")
+        if not chat_template:
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        prompt = [{"role": "user", "content": prompt}]
+    messages = list(prompt)
+    if not messages or not all(isinstance(message, Mapping) and "content" in message for message in messages):
+        raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} mappings")
+    if not any(str(message["content"]).strip() for message in messages):
+        raise InvalidRequestError("the prompt is empty")
+    if chat_template is False:
+        raise InvalidRequestError("chat messages need the chat template; chat_template=False applies to strings only")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this tokenizer has no chat template: pass a plain string prompt instead")
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    return [int(token) for token in encoded]
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Every token id that ends generation: the generation config's EOS ids and the tokenizer's EOS."""
+    found: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        for token in source if isinstance(source, (list, tuple)) else [source]:
+            if int(token) not in found:
+                found.append(int(token))
+    return found
+
+
+class StopSequences:
+    """Detects stop sequences in the generated text, token by token, as plain decoding would."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [text for text in stop if text]
+        # A stop sequence of k characters spans at most k tokens; a few more cover partial characters.
+        self.window = max((len(text) for text in self.stop), default=0) + 4
+
+    def __bool__(self) -> bool:
+        return bool(self.stop)
+
+    def __call__(self, output_ids: Sequence[int]) -> bool:
+        tail = self.tokenizer.decode(output_ids[-self.window :], skip_special_tokens=False)
+        return any(text in tail for text in self.stop)
+
+    def cut(self, text: str) -> str:
+        """``text`` up to the first stop sequence in it."""
+        positions = [text.find(stop) for stop in self.stop if stop in text]
+        return text[: min(positions)] if positions else text
+
+    def held_back(self, text: str) -> int:
+        """How many trailing characters of ``text`` could still be the start of a stop sequence."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+def _check_options(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    budget: int,
+    options: Mapping[str, Any],
+) -> None:
+    for name, value in options.items():
+        if name in _GREEDY_VALUES:
+            if value not in _GREEDY_VALUES[name]:
+                raise UnsupportedOptionError(
+                    f"{name}={value!r} asks for sampling, which this version does not verify yet; "
+                    "only greedy decoding (temperature=0) is supported"
+                )
+        else:
+            raise UnsupportedOptionError(f"unknown option {name!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(budget, int) or budget < 0:
+        raise InvalidRequestError(f"budget must be a non-negative integer, got {budget!r}")
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty")
+    limit = context_length(model)
+    if len(prompt_ids) >= limit:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context window is {limit} tokens"
+        )
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            f"window of {limit} tokens; lower max_new_tokens to at most {limit - len(prompt_ids)}"
+        )
+
+
+class GenerationStream:
+    """Iterator over text pieces as tokens are accepted; :attr:`result` holds the full result once exhausted."""
+
+    def __init__(self, events: Iterator[str], holder: dict[str, GenerationResult]) -> None:
+        self._events = events
+        self._holder = holder
+
+    def __iter__(self) -> Iterator[str]:
+        return self._events
+
+    def __next__(self) -> str:
+        return next(self._events)
+
+    @property
+    def result(self) -> GenerationResult:
+        if "result" not in self._holder:
+            raise RuntimeError("the stream has not finished yet")
+        return self._holder["result"]
+
+
+def stream(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompt: str | Messages | None = None,
+    method: str | Drafter = "pld",
+    max_new_tokens: int = 128,
+    stop: Sequence[str] | str | None = None,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    chat_template: bool | None = None,
+    budget: int = DEFAULT_BUDGET,
+    method_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> GenerationStream:
+    """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted.
+
+    Text that could still turn out to be the start of a stop sequence, or an incomplete character, is held back
+    until it is settled. After the iterator is exhausted, ``.result`` holds the :class:`GenerationResult`.
+    """
+    holder: dict[str, GenerationResult] = {}
+    run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
+                   method_options, options)
+
+    def pieces() -> Iterator[str]:
+        sent = 0
+        for text, final in _run(run, holder, want_text=True):
+            if final:
+                text = run.stops.cut(text) if run.stops else text
+                ready = len(text)
+            else:
+                ready = len(text) - (run.stops.held_back(text) if run.stops else 0)
+                if text[:ready].endswith("\ufffd"):
+                    ready -= 1
+            if ready > sent:
+                yield text[sent:ready]
+                sent = ready
+
+    return GenerationStream(pieces(), holder)
+
+
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompt: str | Messages | None = None,
+    method: str | Drafter = "pld",
+    max_new_tokens: int = 128,
+    stop: Sequence[str] | str | None = None,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    chat_template: bool | None = None,
+    budget: int = DEFAULT_BUDGET,
+    method_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> GenerationResult:
+    """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
+
+    Args:
+        model: a transformers causal LM (see :func:`draftwise.load_model`).
+        tokenizer: its tokenizer.
+        prompt: a string, or a list of chat messages (``{"role": ..., "content": ...}``) that go through the chat
+            template. Alternatively pass ``prompt_ids``.
+        method: ``"ar"`` (plain decoding), ``"pld"`` (prompt lookup), a spec with options such as
+            ``"pld:max_ngram=3"``, or a :class:`~draftwise.drafters.Drafter` instance.
+        max_new_tokens: most tokens to generate.
+        stop: stop sequences; generation ends at the token that completes one (the text is cut before it).
+        prompt_ids: token ids to use instead of ``prompt``.
+        chat_template: wrap a string prompt as a user message of the chat template (default: no for strings,
+            always for message lists).
+        budget: most draft nodes verified per step.
+        method_options: options of the method's drafter (same as the spec string's).
+        **options: sampling options (``temperature``, ``do_sample``); anything else is refused.
+
+    Returns:
+        A :class:`GenerationResult` with the text, token ids and statistics.
+
+    Raises:
+        InvalidRequestError: empty prompt, prompt over the context window, bad ``max_new_tokens``.
+        UnknownMethodError: no such method.
+        UnsupportedOptionError: an option that this mode cannot honour, or that does not exist.
+    """
+    holder: dict[str, GenerationResult] = {}
+    run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
+                   method_options, options)
+    for _ in _run(run, holder, want_text=False):
+        pass
+    return holder["result"]
+
+
+@dataclass
+class _Run:
+    model: torch.nn.Module
+    tokenizer: Any
+    prompt_ids: list[int]
+    drafter: Drafter
+    method: str
+    max_new_tokens: int
+    stops: StopSequences | None
+    budget: int
+    eos: list[int] = field(default_factory=list)
+
+
+def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
+             method_options, options) -> _Run:
+    if prompt_ids is None:
+        if prompt is None:
+            raise InvalidRequestError("give a prompt (string or chat messages) or prompt_ids")
+        ids = encode_prompt(tokenizer, prompt, chat_template)
+    else:
+        if prompt is not None:
+            raise InvalidRequestError("give either prompt or prompt_ids, not both")
+        ids = [int(token) for token in prompt_ids]
+    _check_options(model, ids, max_new_tokens, budget, options)
+    if isinstance(method, Drafter):
+        if method_options:
+            raise UnsupportedOptionError("method_options apply to a method name, not to a Drafter instance")
+        drafter, name = method, method.name or type(method).__name__
+    elif isinstance(method, str):
+        drafter = make_drafter(method, **dict(method_options or {}))
+        name = method
+    else:
+        raise InvalidRequestError(f"method must be a name or a Drafter, got {type(method).__name__}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if stops and tokenizer is None:
+        raise InvalidRequestError("stop sequences need a tokenizer")
+    return _Run(
+        model=model,
+        tokenizer=tokenizer,
+        prompt_ids=ids,
+        drafter=drafter,
+        method=name,
+        max_new_tokens=max_new_tokens,
+        stops=StopSequences(tokenizer, stops) if stops else None,
+        budget=budget,
+        eos=eos_token_ids(model, tokenizer),
+    )
+
+
+def _run(run: _Run, holder: dict[str, GenerationResult], want_text: bool) -> Iterator[tuple[str, bool]]:
+    """Drive the engine; yield ``(text so far, finished)`` after every step when ``want_text``."""
+    stats = GenerationStats()
+    output: list[int] = []
+    finish_reason = FinishReason.LENGTH
+    for event in decode(
+        run.model,
+        run.prompt_ids,
+        run.drafter,
+        max_new_tokens=run.max_new_tokens,
+        eos_token_ids=run.eos,
+        is_stopped=run.stops,
+        budget=run.budget,
+        stats=stats,
+    ):
+        output.extend(event.tokens)
+        if event.finish_reason is not None:
+            finish_reason = event.finish_reason
+        if want_text:
+            yield _decode_text(run.tokenizer, output), event.finish_reason is not None
+    text = _decode_text(run.tokenizer, output)
+    if run.stops:
+        text = run.stops.cut(text)
+    holder["result"] = GenerationResult(
+        text=text,
+        token_ids=output,
+        prompt_ids=run.prompt_ids,
+        finish_reason=finish_reason,
+        stats=stats,
+        method=run.method,
+    )
+
+
+def _decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""

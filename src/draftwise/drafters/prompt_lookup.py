@@ -1,0 +1,86 @@
+"""Prompt lookup: copy what followed earlier occurrences of the latest n-gram, from the prompt or the output.
+
+Several matches (longest n-grams first, most recent first) are merged into one tree. When a copy keeps being accepted
+in full, the next draft copies further (as CopySpec does), so long verbatim passages go in a few steps.
+
+Every node carries an estimate of its acceptance probability, learned from this drafter's own verification outcomes
+(acceptance rate by matched n-gram length and depth), so the engine verifies only the nodes that pay for themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..acceptance import AcceptanceTracker
+from ..ngram import NGramIndex
+from ..tree import DraftTree
+from .base import Drafter, StepOutcome
+
+
+class PromptLookupDrafter(Drafter):
+    """Draft by matching the context's last n-gram against the whole context.
+
+    Args:
+        max_ngram: longest suffix n-gram to match (tried first).
+        min_ngram: shortest suffix n-gram to match.
+        max_matches: how many distinct continuations to merge into the tree.
+        draft_length: tokens copied per match at first.
+        max_copy_length: longest copy once matches keep being accepted in full (each full acceptance doubles it).
+        alternative_discount: acceptance estimate factor for each further match after the first.
+    """
+
+    name = "pld"
+
+    def __init__(
+        self,
+        max_ngram: int = 4,
+        min_ngram: int = 2,
+        max_matches: int = 3,
+        draft_length: int = 8,
+        max_copy_length: int = 32,
+        alternative_discount: float = 0.5,
+    ) -> None:
+        if max_matches < 1 or draft_length < 1 or max_copy_length < draft_length:
+            raise ValueError("need max_matches >= 1 and 1 <= draft_length <= max_copy_length")
+        self.index = NGramIndex(min_ngram, max_ngram)
+        self.max_matches = max_matches
+        self.draft_length = draft_length
+        self.max_copy_length = max_copy_length
+        self._copy_length = draft_length
+        self.alternative_discount = alternative_discount
+        self.acceptance = AcceptanceTracker()
+        self._matched_n = 0
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.index.reset()
+        self._copy_length = self.draft_length
+
+    def propose(self, context: Sequence[int], budget: int) -> DraftTree:
+        self.index.extend(context)
+        paths: list[tuple[list[float], tuple[int, ...]]] = []
+        seen: set[tuple[int, ...]] = set()
+        self._matched_n = 0
+        for n in range(self.index.max_n, self.index.min_n - 1, -1):
+            for start in self.index.continuations(context, n):
+                continuation = tuple(context[start : start + self._copy_length])
+                if continuation in seen:
+                    continue
+                seen.add(continuation)
+                self._matched_n = self._matched_n or n
+                probabilities = self.acceptance.estimates(n, len(continuation))
+                # A further match is an alternative to the earlier ones: only one first token can be right.
+                probabilities[0] *= self.alternative_discount ** len(paths)
+                paths.append((probabilities, continuation))
+                if len(paths) >= self.max_matches:
+                    return DraftTree.from_scored_paths(paths, budget)
+        return DraftTree.from_scored_paths(paths, budget)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        tree = outcome.tree
+        verification = outcome.verification
+        if self._matched_n:
+            self.acceptance.update(self._matched_n, verification.attempted, verification.accepted)
+        if len(tree) and outcome.verification.accepted == tree.max_depth:
+            self._copy_length = min(2 * self._copy_length, self.max_copy_length)
+        else:
+            self._copy_length = self.draft_length

@@ -1,0 +1,44 @@
+"""An incremental index of the n-grams of a growing token sequence, shared by the drafters that copy or count."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NGramIndex:
+    """Where every n-gram (``min_n <= n <= max_n``) of a token sequence occurs, kept up to date as it grows.
+
+    An n-gram is recorded by the position right after it (where its continuation starts), and only once that
+    continuation exists, so the sequence's own suffix never matches itself.
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self._positions: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # continuation positions < this are indexed
+
+    def reset(self) -> None:
+        self._positions.clear()
+        self._indexed = 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams of ``tokens`` that gained a continuation since the last call."""
+        if len(tokens) <= self._indexed:
+            if len(tokens) < self._indexed:
+                raise ValueError("the indexed sequence may only grow; call reset() for a new one")
+            return
+        positions = self._positions
+        for end in range(max(self._indexed, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                positions.setdefault(tuple(tokens[end - n : end]), []).append(end)
+        self._indexed = max(len(tokens), 1)
+
+    def continuations(self, tokens: Sequence[int], n: int) -> list[int]:
+        """Positions where the last ``n`` tokens of ``tokens`` occurred earlier, most recent first."""
+        if len(tokens) < n or not self.min_n <= n <= self.max_n:
+            return []
+        found = self._positions.get(tuple(tokens[len(tokens) - n :]))
+        return found[::-1] if found else []

@@ -284,12 +284,6 @@ def test_generate_refuses_sliding_window_model():
         draftwise.generate(model, None, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: TreeKVCache.for_model only looks at layer_types/use_sliding_window; a Mistral-style config with "
-    "sliding_window set (no layer_types) is accepted, and the engine's explicit 4D mask then silently drops the "
-    "window, so the output differs from the model's own greedy decoding",
-)
 def test_for_model_refuses_mistral_sliding_window():
     torch.manual_seed(0)
     config = transformers.MistralConfig(

@@ -128,3 +128,20 @@ def test_invariants_custom_drafters(tiny_model):
         # One token per step; every step but the prefill and the last (no room for a draft) offered one.
         assert wrong.stats.steps == max_new_tokens
         assert wrong.stats.attempts_per_position == [max_new_tokens - 2]
+
+
+def test_eos_cut_does_not_count_accepted_positions_as_rejected(tiny_llama, monkeypatch):
+    prompt, max_new_tokens = CASES[0]
+    reference = draftwise.generate(tiny_llama, None, prompt_ids=prompt, method="ar",
+                                   max_new_tokens=max_new_tokens).token_ids
+    index = next(i for i in range(3, 8) if reference[i] not in reference[:i])
+    monkeypatch.setattr(tiny_llama.generation_config, "eos_token_id", reference[index])
+    from tiny import OracleChainDrafter
+
+    result = draftwise.generate(tiny_llama, None, prompt_ids=prompt, max_new_tokens=max_new_tokens,
+                                method=OracleChainDrafter(prompt, reference, length=8))
+    assert result.token_ids == reference[: index + 1]
+    stats = result.stats
+    # A greedy walk rejects at most once per step.
+    rejections = sum(a - b for a, b in zip(stats.attempts_per_position, stats.accepts_per_position))
+    assert rejections <= stats.steps - 1

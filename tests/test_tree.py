@@ -284,11 +284,6 @@ def test_best_of_scored_tree_is_parent_closed(scored, budget, count):
     assert kept <= set(all_token_paths(tree))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: DraftTree accepts scores that grow along a path, and best() then picks a child without its "
-    "parent and crashes with KeyError in _subtree (a custom drafter's tree can crash the engine)",
-)
 def test_best_with_non_monotone_scores_is_rejected_or_valid():
     try:
         tree = DraftTree((1, 2), (-1, 0), scores=(0.1, 0.9))

@@ -11,6 +11,7 @@ import torch
 from .drafters import Drafter, make_drafter
 from .engine import DEFAULT_BUDGET, FinishReason, context_length, decode
 from .errors import InvalidRequestError, UnsupportedOptionError
+from .latency import LatencyModel
 from .stats import GenerationStats
 
 Messages = Sequence[Mapping[str, Any]]
@@ -177,6 +178,7 @@ def stream(
     chat_template: bool | None = None,
     budget: int = DEFAULT_BUDGET,
     method_options: Mapping[str, Any] | None = None,
+    latency: LatencyModel | None = None,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted.
@@ -186,7 +188,7 @@ def stream(
     """
     holder: dict[str, GenerationResult] = {}
     run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-                   method_options, options)
+                   method_options, options, latency)
 
     def pieces() -> Iterator[str]:
         sent = 0
@@ -217,6 +219,7 @@ def generate(
     chat_template: bool | None = None,
     budget: int = DEFAULT_BUDGET,
     method_options: Mapping[str, Any] | None = None,
+    latency: LatencyModel | None = None,
     **options: Any,
 ) -> GenerationResult:
     """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
@@ -235,6 +238,8 @@ def generate(
             always for message lists).
         budget: most draft nodes verified per step.
         method_options: options of the method's drafter (same as the spec string's).
+        latency: forward-time model used to size drafts; pass the same one to successive calls on one model to
+            carry its measurements over (a new one is learned per call otherwise).
         **options: sampling options (``temperature``, ``do_sample``); anything else is refused.
 
     Returns:
@@ -247,7 +252,7 @@ def generate(
     """
     holder: dict[str, GenerationResult] = {}
     run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-                   method_options, options)
+                   method_options, options, latency)
     for _ in _run(run, holder, want_text=False):
         pass
     return holder["result"]
@@ -264,10 +269,11 @@ class _Run:
     stops: StopSequences | None
     budget: int
     eos: list[int] = field(default_factory=list)
+    latency: LatencyModel | None = None
 
 
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-             method_options, options) -> _Run:
+             method_options, options, latency) -> _Run:
     if prompt_ids is None:
         if prompt is None:
             raise InvalidRequestError("give a prompt (string or chat messages) or prompt_ids")
@@ -299,6 +305,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         stops=StopSequences(tokenizer, stops) if stops else None,
         budget=budget,
         eos=eos_token_ids(model, tokenizer),
+        latency=latency,
     )
 
 
@@ -316,6 +323,7 @@ def _run(run: _Run, holder: dict[str, GenerationResult], want_text: bool) -> Ite
         is_stopped=run.stops,
         budget=run.budget,
         stats=stats,
+        latency=run.latency,
     ):
         output.extend(event.tokens)
         if event.finish_reason is not None:

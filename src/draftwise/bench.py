@@ -25,7 +25,8 @@ import torch
 
 from .api import eos_token_ids, generate
 from .data import Prompt
-from .drafters import make_drafter
+from .drafters import Drafter, make_drafter
+from .latency import LatencyModel
 
 HF_ROWS = ("hf", "hf-pld")
 OVERALL = "overall"
@@ -57,7 +58,7 @@ def run_hf(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequ
         temperature=None,
         top_p=None,
         top_k=None,
-        eos_token_id=list(eos),
+        eos_token_id=list(eos) or None,
         pad_token_id=eos[0] if eos else None,
         attention_mask=torch.ones_like(input_ids),
     )
@@ -71,13 +72,21 @@ def run_hf(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequ
 
 
 def run_method(
-    model: Any, tokenizer: Any, method: str, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int]
+    model: Any,
+    tokenizer: Any,
+    method: str | Drafter,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos: Sequence[int],
+    latency: LatencyModel | None = None,
 ) -> tuple[list[int], float, int | None]:
     """One method on one prompt: token ids, generation seconds, steps (``None`` for transformers rows)."""
-    if method in HF_ROWS:
+    if isinstance(method, str) and method in HF_ROWS:
         ids, elapsed = run_hf(model, prompt_ids, max_new_tokens, eos, lookup=method == "hf-pld")
         return ids, elapsed, None
-    result = generate(model, tokenizer, prompt_ids=prompt_ids, method=method, max_new_tokens=max_new_tokens)
+    result = generate(
+        model, tokenizer, prompt_ids=prompt_ids, method=method, max_new_tokens=max_new_tokens, latency=latency
+    )
     return result.token_ids, result.stats.time_s, result.stats.steps
 
 
@@ -155,7 +164,11 @@ def run_bench(
     on_progress: Callable[[str, Prompt, float], None] | None = None,
     warmup: bool = True,
 ) -> list[Record]:
-    """Run every method on every prompt (methods interleaved per prompt); returns one record per run."""
+    """Run every method on every prompt (methods interleaved per prompt); returns one record per run.
+
+    Each method keeps one drafter for the whole run (what it learns carries over between prompts, as it would in
+    a server), and all methods share one forward-time model of this model on this machine.
+    """
     eos = eos_token_ids(model, tokenizer)
     encoded = [
         tokenizer.apply_chat_template(
@@ -164,6 +177,10 @@ def run_bench(
         for prompt in prompts
     ]
     encoded = [list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids) for ids in encoded]
+    latency = LatencyModel()
+    runners: dict[str, str | Drafter] = {
+        method: method if method in HF_ROWS else make_drafter(method) for method in methods
+    }
     if warmup and prompts:
         for method in methods:
             run_method(model, tokenizer, method, encoded[0], min(16, max_new_tokens), eos)
@@ -171,7 +188,9 @@ def run_bench(
     totals: dict[str, list[float]] = {method: [0, 0.0] for method in methods}
     for prompt, prompt_ids in zip(prompts, encoded):
         for method in methods:
-            ids, seconds, steps = run_method(model, tokenizer, method, prompt_ids, max_new_tokens, eos)
+            ids, seconds, steps = run_method(
+                model, tokenizer, runners[method], prompt_ids, max_new_tokens, eos, latency
+            )
             records.append(Record(method, prompt.question_id, prompt.category, len(ids), seconds, steps, ids))
             totals[method][0] += len(ids)
             totals[method][1] += seconds

@@ -106,9 +106,15 @@ class TreeKVCache(Cache):
         config = model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         unsupported = sorted({kind for kind in layer_types if kind != "full_attention"})
-        if unsupported or getattr(config, "use_sliding_window", False):
+        # A window only matters when it is switched on (qwen2 carries one with use_sliding_window=False) and is
+        # shorter than the context; the engine's masks are full attention, so such a model must be refused.
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        context = getattr(config, "max_position_embeddings", None)
+        if window is not None and (context is None or window < context):
+            unsupported = unsupported or ["sliding_attention"]
+        if unsupported:
             raise UnsupportedModelError(
-                f"{config.model_type} uses layer types {unsupported or ['sliding_attention']}; "
+                f"{config.model_type} uses layer types {unsupported}; "
                 "draftwise's engine needs every layer to be full attention"
             )
         return cls(config.num_hidden_layers, batch_size=batch_size, capacity=capacity)

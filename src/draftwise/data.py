@@ -59,9 +59,11 @@ def load_spec_bench(path: str | Path | None, per_category: int | None = None) ->
             try:
                 row = json.loads(line)
                 turns = row["turns"]
+                if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+                    raise TypeError("'turns' must be a non-empty list of strings")
                 subcategory = str(row.get("category", "default"))
                 question_id = row.get("question_id", line_number)
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
                 raise InvalidRequestError(f"{path}:{line_number}: not a question row ({error})") from error
             category = "mt_bench" if subcategory in MT_BENCH_CATEGORIES else subcategory
             by_category[category][subcategory].append(Prompt(question_id, category, subcategory, str(turns[0])))

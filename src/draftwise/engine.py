@@ -139,7 +139,8 @@ def decode(
             draft_started = time.perf_counter()
             # A draft never needs to reach past the last token we may emit or past the context window.
             max_depth = min(max_new_tokens - len(output) - 1, limit - len(context) - 1)
-            tree = drafter.propose(context, budget).cut(budget, max_depth) if max_depth > 0 else DraftTree()
+            snapshot = tuple(context)  # drafters may keep what they are given; the engine's list keeps growing
+            tree = drafter.propose(snapshot, budget).cut(budget, max_depth) if max_depth > 0 else DraftTree()
             if tree.scores is not None and len(tree):
                 tree = tree.best(latency.best_size(sorted(tree.scores, reverse=True)))
             forward_started = time.perf_counter()
@@ -156,14 +157,15 @@ def decode(
 
             event = accept(verification.tokens)
             context.extend(event.tokens)
+            # An EOS or stop inside the accepted draft ends the step early: count only what was emitted.
             stats.record_step(
                 emitted=len(event.tokens),
                 drafted=len(tree),
                 accepted=min(verification.accepted, len(event.tokens)),
-                attempted=verification.attempted,
+                attempted=min(verification.attempted, len(event.tokens)),
             )
             observe_started = time.perf_counter()
-            drafter.observe(StepOutcome(tree, verification, logits, context))
+            drafter.observe(StepOutcome(tree, verification, logits, tuple(context)))
             stats.draft_time_s += time.perf_counter() - observe_started
             stats.time_s = time.perf_counter() - started
             yield event

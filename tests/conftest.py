@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random transformers models (built in-process, no downloads) and a dummy tokenizer."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from tiny import CharTokenizer, make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread(request):
+    """Tiny models run fastest (and most predictably on a busy 2-core box) on one thread.
+
+    Slow real-model tests keep torch's own thread count.
+    """
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    return make_tiny_model("qwen2", seed=0)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model(request, tiny_llama, tiny_qwen2):
+    """Each tiny model in turn."""
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param]
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer(tiny_llama):
+    return CharTokenizer(tiny_llama.config.vocab_size)

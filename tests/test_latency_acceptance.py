@@ -1,0 +1,64 @@
+"""The learned cost model of verification forwards and the acceptance-rate tracker that scores draft nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.acceptance import PRIOR_MEANS, AcceptanceTracker
+from draftwise.latency import CPU_PRIOR, LatencyModel
+
+
+def test_prior_interpolates_and_extrapolates():
+    latency = LatencyModel(prior={1: 1.0, 3: 2.0, 5: 4.0})
+    assert latency.cost(1) == 1.0
+    assert latency.cost(2) == pytest.approx(1.5)
+    assert latency.cost(4) == pytest.approx(3.0)
+    assert latency.cost(10) == pytest.approx(8.0)  # proportional beyond the last entry
+    assert LatencyModel().cost(16) == CPU_PRIOR[16]
+
+
+def test_measurements_replace_and_rescale_the_prior():
+    latency = LatencyModel(prior={1: 1.0, 2: 2.0, 4: 4.0}, smoothing=0.5)
+    latency.record(1, 0.010)
+    assert latency.cost(1) == pytest.approx(0.010)
+    assert latency.cost(4) == pytest.approx(0.040)  # prior shape scaled by the nearest measurement
+    latency.record(1, 0.020)
+    assert latency.cost(1) == pytest.approx(0.015)  # moving average
+    latency.record(4, 0.010)
+    assert latency.cost(4) == pytest.approx(0.010)
+    assert latency.cost(3) == pytest.approx(0.010 * 3 / 4)  # nearest measured is 4 rows (tie -> fewer rows)
+
+
+def test_best_size_maximises_expected_tokens_per_second():
+    latency = LatencyModel(prior={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 10.0})
+    # Up to 4 rows (root + 3 nodes) cost the same: take every node with a positive score, not a 5th row at 10x.
+    assert latency.best_size([0.9, 0.5, 0.1]) == 3
+    assert latency.best_size([0.9, 0.5, 0.4, 0.3]) == 3
+    assert latency.best_size([]) == 0
+    expensive = LatencyModel(prior={1: 1.0, 2: 3.0})
+    assert expensive.best_size([0.9]) == 0  # 1.9 tokens for 3x the time is a loss
+    cheap = LatencyModel(prior={1: 1.0, 2: 1.5})
+    assert cheap.best_size([0.9]) == 1
+
+
+def test_acceptance_tracker_prior_and_updates():
+    tracker = AcceptanceTracker(prior_weight=4.0, max_depth=3)
+    assert tracker.estimates("k", 4) == pytest.approx([PRIOR_MEANS[0], PRIOR_MEANS[1], PRIOR_MEANS[2], PRIOR_MEANS[2]])
+    tracker.update("k", attempted=2, accepted=1)
+    assert tracker.rate("k", 1) == pytest.approx((1 + 4 * PRIOR_MEANS[0]) / (1 + 4))
+    assert tracker.rate("k", 2) == pytest.approx((0 + 4 * PRIOR_MEANS[1]) / (1 + 4))
+    assert tracker.rate("k", 3) == pytest.approx(PRIOR_MEANS[2])
+    assert tracker.rate("other", 1) == pytest.approx(PRIOR_MEANS[0])  # kinds are separate
+    tracker.update("k", attempted=5, accepted=5)  # depths past max_depth share its counts
+    assert tracker.rate("k", 3) == pytest.approx((3 + 4 * PRIOR_MEANS[2]) / (3 + 4))
+    assert tracker.rate("k", 9) == tracker.rate("k", 3)
+
+
+def test_acceptance_rates_stay_probabilities():
+    tracker = AcceptanceTracker()
+    for _ in range(50):
+        tracker.update(2, attempted=6, accepted=6)
+    assert all(0.0 < rate < 1.0 for rate in tracker.estimates(2, 8))
+    for _ in range(50):
+        tracker.update(3, attempted=6, accepted=0)
+    assert all(0.0 < rate < 1.0 for rate in tracker.estimates(3, 8))

@@ -626,3 +626,23 @@ def test_drafter_instance_is_reusable(tiny_llama):
     assert run(tiny_llama, p1, pld, n1).token_ids == r1
     assert run(tiny_llama, p2, pld, n2).token_ids == r2
     assert run(tiny_llama, p1, pld, n1).token_ids == r1
+
+
+# ---------------------------------------------------------------- every registered drafter, same guarantee
+
+DRAFTER_METHODS = sorted(set(draftwise.METHODS) - {"ar"})
+
+
+@pytest.mark.parametrize("method", DRAFTER_METHODS)
+@pytest.mark.parametrize("kind", MODELS)
+def test_every_method_matches_ar(models, kind, method):
+    """One drafter instance over all prompts, so state learned across requests is exercised too."""
+    model = models[kind]
+    drafter = draftwise.make_drafter(method)
+    steps = tokens = 0
+    for prompt, max_new_tokens in CASES[kind]:
+        result = draftwise.generate(model, None, prompt_ids=prompt, method=drafter, max_new_tokens=max_new_tokens)
+        assert result.token_ids == ar_ids(model, prompt, max_new_tokens), f"{method} differs on prompt {prompt}"
+        steps += result.stats.steps
+        tokens += result.stats.new_tokens
+    assert steps < tokens, f"{method} never got a draft token accepted"

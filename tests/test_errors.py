@@ -178,10 +178,28 @@ def test_unknown_keyword_option(tiny_llama):
         gen(tiny_llama, prompt_ids=PROMPT, top_k=5)
 
 
-@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"do_sample": True}, {"temperature": 1}])
-def test_sampling_is_refused(tiny_llama, options):
-    with pytest.raises(UnsupportedOptionError, match="greedy|sampling"):
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temperature": 1.0, "top_k": -1}, "top_k"),
+        ({"temperature": 1.0, "min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"do_sample": True, "temperature": 0}, "temperature"),
+        ({"do_sample": False, "temperature": 0.7}, "greedy"),
+        ({"temperature": 0, "top_p": 0.9}, "temperature > 0"),
+    ],
+)
+def test_bad_sampling_options_are_refused(tiny_llama, options, message):
+    with pytest.raises(InvalidRequestError, match=message):
         gen(tiny_llama, prompt_ids=PROMPT, **options)
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"do_sample": True}, {"temperature": 1, "top_k": 5}])
+def test_sampling_options_are_accepted(tiny_llama, options):
+    assert len(gen(tiny_llama, prompt_ids=PROMPT, seed=1, **options).token_ids) == 4
 
 
 @pytest.mark.parametrize("options", [{"temperature": 0}, {"temperature": 0.0}, {"temperature": None}, {"do_sample": False}])
@@ -363,9 +381,9 @@ def test_cli_generate_unknown_method(tiny_cli, capsys):
     assert "unknown method 'nope'" in error
 
 
-def test_cli_generate_sampling_refused(tiny_cli, capsys):
-    assert cli.main(["generate", "hello", "--temperature", "0.7", "--max-new-tokens", "8"]) == 2
-    assert "greedy" in capsys.readouterr().err
+def test_cli_generate_bad_sampling_refused(tiny_cli, capsys):
+    assert cli.main(["generate", "hello", "--temperature", "-1", "--max-new-tokens", "8"]) == 2
+    assert "temperature" in capsys.readouterr().err
 
 
 def test_cli_generate_runs_with_stats(tiny_cli, tiny_llama, capsys):

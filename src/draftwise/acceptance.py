@@ -36,10 +36,13 @@ class AcceptanceTracker:
         """Conditional acceptance estimates for depths 1..length."""
         return [self.rate(kind, depth) for depth in range(1, length + 1)]
 
+    def update_one(self, kind: object, depth: int, accepted: bool) -> None:
+        """Record one draft token of ``kind`` offered at ``depth``, accepted or not."""
+        counts = self._counts.setdefault((kind, min(depth, self.max_depth)), [0.0, 0.0])
+        counts[1] += 1
+        counts[0] += accepted
+
     def update(self, kind: object, attempted: int, accepted: int) -> None:
         """Record a step that offered drafts at depths 1..attempted and had depths 1..accepted accepted."""
         for depth in range(1, attempted + 1):
-            counts = self._counts.setdefault((kind, min(depth, self.max_depth)), [0.0, 0.0])
-            counts[1] += 1
-            if depth <= accepted:
-                counts[0] += 1
+            self.update_one(kind, depth, depth <= accepted)

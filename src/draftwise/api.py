@@ -12,12 +12,13 @@ from .drafters import Drafter, make_drafter
 from .engine import DEFAULT_BUDGET, FinishReason, context_length, decode
 from .errors import InvalidRequestError, UnsupportedOptionError
 from .latency import LatencyModel
+from .sampling import SamplingParams
 from .stats import GenerationStats
 
 Messages = Sequence[Mapping[str, Any]]
 
-#: Sampling options; every one must be at its greedy value until sampling verification is available.
-_GREEDY_VALUES: dict[str, Any] = {"temperature": (None, 0, 0.0), "do_sample": (None, False)}
+#: Options of :class:`~draftwise.sampling.SamplingParams` accepted as keywords by generate/stream.
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "do_sample")
 
 
 @dataclass
@@ -112,22 +113,34 @@ class StopSequences:
         return longest
 
 
+def sampling_params(options: Mapping[str, Any]) -> SamplingParams:
+    """Sampling options as transformers names them; anything else is refused, never dropped.
+
+    ``do_sample=True`` needs a temperature > 0 (1.0 if none is given), ``do_sample=False`` means greedy and refuses
+    sampling options beside it.
+    """
+    unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+    if unknown:
+        raise UnsupportedOptionError(
+            f"unknown option {', '.join(map(repr, unknown))}; sampling options are: {', '.join(SAMPLING_OPTIONS)}"
+        )
+    values = {name: value for name, value in options.items() if value is not None}
+    do_sample = values.pop("do_sample", None)
+    if do_sample is True:
+        values.setdefault("temperature", 1.0)
+        if values["temperature"] == 0:
+            raise InvalidRequestError("do_sample=True needs temperature > 0")
+    elif do_sample is False and values.get("temperature", 0) != 0:
+        raise InvalidRequestError("do_sample=False is greedy decoding: it cannot take a temperature > 0")
+    return SamplingParams(**values)
+
+
 def _check_options(
     model: torch.nn.Module,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     budget: int,
-    options: Mapping[str, Any],
 ) -> None:
-    for name, value in options.items():
-        if name in _GREEDY_VALUES:
-            if value not in _GREEDY_VALUES[name]:
-                raise UnsupportedOptionError(
-                    f"{name}={value!r} asks for sampling, which this version does not verify yet; "
-                    "only greedy decoding (temperature=0) is supported"
-                )
-        else:
-            raise UnsupportedOptionError(f"unknown option {name!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(budget, int) or budget < 0:
@@ -240,7 +253,11 @@ def generate(
         method_options: options of the method's drafter (same as the spec string's).
         latency: forward-time model used to size drafts; pass the same one to successive calls on one model to
             carry its measurements over (a new one is learned per call otherwise).
-        **options: sampling options (``temperature``, ``do_sample``); anything else is refused.
+        **options: sampling options with transformers' meanings: ``temperature`` (0 = greedy, the default),
+            ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``, ``do_sample``. Sampling output has
+            exactly the distribution of plain sampling with the same options; with a fixed ``seed`` a method
+            reproduces its own output, but speculative and plain sampling with the same seed may differ token by
+            token (they consume the random stream differently). Anything else is refused.
 
     Returns:
         A :class:`GenerationResult` with the text, token ids and statistics.
@@ -270,6 +287,7 @@ class _Run:
     budget: int
     eos: list[int] = field(default_factory=list)
     latency: LatencyModel | None = None
+    sampling: SamplingParams | None = None
 
 
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
@@ -282,7 +300,8 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         if prompt is not None:
             raise InvalidRequestError("give either prompt or prompt_ids, not both")
         ids = [int(token) for token in prompt_ids]
-    _check_options(model, ids, max_new_tokens, budget, options)
+    sampling = sampling_params(options)
+    _check_options(model, ids, max_new_tokens, budget)
     if isinstance(method, Drafter):
         if method_options:
             raise UnsupportedOptionError("method_options apply to a method name, not to a Drafter instance")
@@ -306,6 +325,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         budget=budget,
         eos=eos_token_ids(model, tokenizer),
         latency=latency,
+        sampling=sampling,
     )
 
 
@@ -324,6 +344,7 @@ def _run(run: _Run, holder: dict[str, GenerationResult], want_text: bool) -> Ite
         budget=run.budget,
         stats=stats,
         latency=run.latency,
+        sampling=run.sampling,
     ):
         output.extend(event.tokens)
         if event.finish_reason is not None:

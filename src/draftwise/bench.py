@@ -27,6 +27,9 @@ from .api import eos_token_ids, generate
 from .data import Prompt
 from .drafters import Drafter, make_drafter
 from .latency import LatencyModel
+from .sampling import SamplingParams
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
 HF_ROWS = ("hf", "hf-pld")
 OVERALL = "overall"
@@ -49,15 +52,28 @@ class Record:
         return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
 
 
-def run_hf(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int], lookup: bool) -> tuple[list[int], float]:
-    """transformers' own greedy ``generate`` (with its prompt lookup when ``lookup``): ids and seconds."""
+def run_hf(
+    model: Any,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos: Sequence[int],
+    lookup: bool,
+    sampling: SamplingParams | None = None,
+) -> tuple[list[int], float]:
+    """transformers' own ``generate`` (with its prompt lookup when ``lookup``) with the same sampling options:
+    ids and seconds."""
+    sampling = sampling or SamplingParams()
     input_ids = torch.tensor([list(prompt_ids)], device=model.device)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
     options: dict[str, Any] = dict(
         max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
+        do_sample=not sampling.greedy,
+        temperature=None if sampling.greedy else sampling.temperature,
+        top_p=None if sampling.greedy else sampling.top_p,
+        top_k=None if sampling.greedy else sampling.top_k,
+        min_p=None if sampling.greedy or not sampling.min_p else sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
         eos_token_id=list(eos) or None,
         pad_token_id=eos[0] if eos else None,
         attention_mask=torch.ones_like(input_ids),
@@ -79,13 +95,21 @@ def run_method(
     max_new_tokens: int,
     eos: Sequence[int],
     latency: LatencyModel | None = None,
+    sampling: SamplingParams | None = None,
 ) -> tuple[list[int], float, int | None]:
     """One method on one prompt: token ids, generation seconds, steps (``None`` for transformers rows)."""
+    sampling = sampling or SamplingParams()
     if isinstance(method, str) and method in HF_ROWS:
-        ids, elapsed = run_hf(model, prompt_ids, max_new_tokens, eos, lookup=method == "hf-pld")
+        ids, elapsed = run_hf(model, prompt_ids, max_new_tokens, eos, method == "hf-pld", sampling)
         return ids, elapsed, None
     result = generate(
-        model, tokenizer, prompt_ids=prompt_ids, method=method, max_new_tokens=max_new_tokens, latency=latency
+        model,
+        tokenizer,
+        prompt_ids=prompt_ids,
+        method=method,
+        max_new_tokens=max_new_tokens,
+        latency=latency,
+        **{name: getattr(sampling, name) for name in SAMPLING_FIELDS},
     )
     return result.token_ids, result.stats.time_s, result.stats.steps
 
@@ -163,6 +187,7 @@ def run_bench(
     max_new_tokens: int,
     on_progress: Callable[[str, Prompt, float], None] | None = None,
     warmup: bool = True,
+    sampling: SamplingParams | None = None,
 ) -> list[Record]:
     """Run every method on every prompt (methods interleaved per prompt); returns one record per run.
 
@@ -183,13 +208,13 @@ def run_bench(
     }
     if warmup and prompts:
         for method in methods:
-            run_method(model, tokenizer, method, encoded[0], min(16, max_new_tokens), eos)
+            run_method(model, tokenizer, method, encoded[0], min(16, max_new_tokens), eos, latency, sampling)
     records: list[Record] = []
     totals: dict[str, list[float]] = {method: [0, 0.0] for method in methods}
     for prompt, prompt_ids in zip(prompts, encoded):
         for method in methods:
             ids, seconds, steps = run_method(
-                model, tokenizer, runners[method], prompt_ids, max_new_tokens, eos, latency
+                model, tokenizer, runners[method], prompt_ids, max_new_tokens, eos, latency, sampling
             )
             records.append(Record(method, prompt.question_id, prompt.category, len(ids), seconds, steps, ids))
             totals[method][0] += len(ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,27 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (transformers' meanings; temperature 0 = greedy)")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_options(args: argparse.Namespace) -> dict:
+    return {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+    }
 
 
 def _load(args: argparse.Namespace):
@@ -45,25 +67,35 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .api import stream
 
+    from .drafters import make_drafter
+
     prompt = _read_prompt(args)
+    drafter = make_drafter(args.method)
+    if args.state is not None:
+        if not hasattr(drafter, "load"):
+            raise DraftwiseError(f"method {args.method!r} keeps no state; --state applies to learning drafters")
+        if os.path.exists(args.state):
+            drafter.load(args.state)
     model, tokenizer = _load(args)
     chat = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
     pieces = stream(
         model,
         tokenizer,
         prompt,
-        method=args.method,
+        method=drafter,
         max_new_tokens=args.max_new_tokens,
         stop=args.stop,
         chat_template=chat,
         budget=args.budget,
-        temperature=args.temperature,
+        **_sampling_options(args),
     )
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     result = pieces.result
+    if args.state is not None:
+        drafter.save(args.state)
     if args.stats:
         stats = result.stats
         summary = {
@@ -88,6 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .api import sampling_params
     from .bench import environment, run_bench, summarize, validate_methods, write_json
     from .data import load_spec_bench
     from .report import summary_tables
@@ -97,6 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0 or args.per_category is not None and args.per_category <= 0:
         raise DraftwiseError("--max-new-tokens and --per-category must be positive")
     methods = validate_methods([method for method in args.methods.split(";" if ";" in args.methods else ",") if method])
+    sampling = sampling_params(_sampling_options(args))
     prompts = load_spec_bench(args.data, args.per_category)
     if args.categories:
         wanted = set(args.categories.split(","))
@@ -117,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         def on_progress(method, prompt, rate):
             progress.update(task, advance=1, description=f"{method:>8} q{prompt.question_id} {prompt.category:<15} {rate:6.1f} tok/s")
 
-        records = run_bench(model, tokenizer, prompts, methods, args.max_new_tokens, on_progress)
+        records = run_bench(model, tokenizer, prompts, methods, args.max_new_tokens, on_progress, sampling=sampling)
     summary = summarize(records, methods)
     for table in summary_tables(summary):
         Console().print(table)
@@ -128,6 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "per_category": args.per_category,
             "max_new_tokens": args.max_new_tokens,
             "prompts": len(prompts),
+            "sampling": _sampling_options(args),
         }
         write_json(args.json, summary, records, environment(model, args.model), settings)
         console.print(f"results written to {args.json}")
@@ -158,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=None, help="stop sequence (repeatable)")
     gen.add_argument("--budget", type=int, default=16, help="most draft nodes per step")
-    gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     gen.add_argument("--stats", action="store_true", help="print statistics to standard error")
+    gen.add_argument("--state", default=None, help="learning drafters (recycling): load state from and save it to this file")
+    _add_sampling_arguments(gen)
     _add_model_arguments(gen)
     gen.set_defaults(handler=cmd_generate)
 
@@ -172,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--json", default=None, help="write results as JSON here")
+    _add_sampling_arguments(bench)
     _add_model_arguments(bench)
     bench.set_defaults(handler=cmd_bench)
 

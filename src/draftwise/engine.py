@@ -19,7 +19,8 @@ from .drafters.base import Drafter, StepOutcome
 from .latency import LatencyModel
 from .stats import GenerationStats
 from .tree import DraftTree, tree_attention_mask, tree_position_ids
-from .verify import greedy_choice, verify_greedy
+from .sampling import SamplingParams, transform_logits
+from .verify import Verification, greedy_choice, verify_greedy, verify_sampled
 
 #: Default upper bound on draft nodes per step. On a 2-core CPU a forward of 16 rows costs about 1.7x one row.
 DEFAULT_BUDGET = 16
@@ -74,6 +75,25 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str) -> 
     return mask[None, None]
 
 
+def verify_step(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    context: Sequence[int],
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[Verification, torch.Tensor]:
+    """Verify ``tree`` against the target's logits at every row; returns the outcome and the transformed logits.
+
+    The user's transforms (repetition penalty, temperature, top-k, top-p, min-p) shape the target distribution of
+    every row exactly as in plain decoding. Greedy takes :func:`greedy_choice` of each row; sampling draws node by
+    node (:func:`~draftwise.verify.verify_sampled`).
+    """
+    logits = transform_logits(logits, sampling, context, tree)
+    if sampling.greedy:
+        return verify_greedy(tree, greedy_choice(logits).tolist()), logits
+    return verify_sampled(tree, torch.softmax(logits.float(), dim=-1), generator), logits
+
+
 def decode(
     model: torch.nn.Module,
     prompt_ids: Sequence[int],
@@ -85,10 +105,12 @@ def decode(
     budget: int = DEFAULT_BUDGET,
     stats: GenerationStats | None = None,
     latency: LatencyModel | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Iterator[StepEvent]:
-    """Generate greedily with ``drafter``'s drafts; yield the tokens of each step as they are accepted.
+    """Generate with ``drafter``'s drafts; yield the tokens of each step as they are accepted.
 
-    The output token ids are those of plain greedy decoding: emitted tokens are processed one by one and generation
+    Greedy (the default ``sampling``) gives the token ids of plain greedy decoding; sampling gives text from exactly
+    the distribution of plain sampling with the same options. In both, emitted tokens are processed one by one and generation
     ends at the first EOS token, the first token after which ``is_stopped(output_ids)`` holds, or after
     ``max_new_tokens`` tokens, exactly where plain decoding would end. ``stats`` (if given) is filled in.
 
@@ -99,6 +121,8 @@ def decode(
     """
     stats = stats if stats is not None else GenerationStats()
     latency = latency if latency is not None else LatencyModel()
+    sampling = sampling if sampling is not None else SamplingParams()
+    generator = sampling.generator(model.device)
     device = model.device
     dtype = model.dtype
     limit = context_length(model)
@@ -127,7 +151,8 @@ def decode(
         positions = torch.arange(len(context), device=device)[None]
         logits = model_forward(model, cache, prompt, positions, causal_mask(len(context), dtype, device), 1)
         cache.keep(0, range(len(context)))
-        event = accept([int(greedy_choice(logits[0, -1]))])
+        first, _ = verify_step(logits[0, -1:], DraftTree(), context, sampling, generator)
+        event = accept(first.tokens)
         stats.time_to_first_token_s = time.perf_counter() - started
         stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
         context.extend(event.tokens)
@@ -151,7 +176,7 @@ def decode(
             mask = tree_attention_mask([tree], lengths, dtype, device)
             positions = tree_position_ids([tree], lengths, device)
             logits = model_forward(model, cache, rows, positions, mask)[0]
-            verification = verify_greedy(tree, greedy_choice(logits).tolist())
+            verification, logits = verify_step(logits, tree, snapshot, sampling, generator)
             latency.record(len(tree) + 1, time.perf_counter() - forward_started)
             cache.keep(0, verification.kept_rows)
 
@@ -165,7 +190,7 @@ def decode(
                 attempted=min(verification.attempted, len(event.tokens)),
             )
             observe_started = time.perf_counter()
-            drafter.observe(StepOutcome(tree, verification, logits, tuple(context)))
+            drafter.observe(StepOutcome(tree, verification, logits, tuple(context), snapshot[-1]))
             stats.draft_time_s += time.perf_counter() - observe_started
             stats.time_s = time.perf_counter() - started
             yield event

@@ -11,13 +11,15 @@ from collections.abc import Callable
 from ..errors import UnknownMethodError, UnsupportedOptionError
 from .base import Drafter, NoDrafter, StepOutcome
 from .prompt_lookup import PromptLookupDrafter
+from .token_recycling import TokenRecyclingDrafter
 
-__all__ = ["Drafter", "NoDrafter", "PromptLookupDrafter", "StepOutcome", "METHODS", "make_drafter", "parse_method"]
+__all__ = ["Drafter", "NoDrafter", "PromptLookupDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "make_drafter", "parse_method"]
 
 #: Method name -> drafter factory. ``ar`` is plain autoregressive decoding through the same engine.
 METHODS: dict[str, Callable[..., Drafter]] = {
     NoDrafter.name: NoDrafter,
     PromptLookupDrafter.name: PromptLookupDrafter,
+    TokenRecyclingDrafter.name: TokenRecyclingDrafter,
 }
 
 

@@ -22,12 +22,14 @@ class StepOutcome:
         logits: the target's logits at every row of the forward (row 0 = root, row ``i + 1`` = node ``i``),
             after the user's sampling transforms; drafters that learn from the model read their top tokens.
         context: the full token sequence (prompt and output) after this step's tokens were appended.
+        root: the token at row 0 (the last token before this step's), when the engine knows it.
     """
 
     tree: DraftTree
     verification: Verification
     logits: torch.Tensor
     context: Sequence[int]
+    root: int | None = None
 
 
 class Drafter(ABC):

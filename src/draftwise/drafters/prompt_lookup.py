@@ -50,10 +50,12 @@ class PromptLookupDrafter(Drafter):
         self.alternative_discount = alternative_discount
         self.acceptance = AcceptanceTracker()
         self._matched_n = 0
+        self._streak = 0  # consecutive steps whose draft was accepted in full (0, 1 or 2+)
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.index.reset()
         self._copy_length = self.draft_length
+        self._streak = 0
 
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         self.index.extend(context)
@@ -67,7 +69,7 @@ class PromptLookupDrafter(Drafter):
                     continue
                 seen.add(continuation)
                 self._matched_n = self._matched_n or n
-                probabilities = self.acceptance.estimates(n, len(continuation))
+                probabilities = self.acceptance.estimates(self._kind(n), len(continuation))
                 # A further match is an alternative to the earlier ones: only one first token can be right.
                 probabilities[0] *= self.alternative_discount ** len(paths)
                 paths.append((probabilities, continuation))
@@ -79,8 +81,15 @@ class PromptLookupDrafter(Drafter):
         tree = outcome.tree
         verification = outcome.verification
         if self._matched_n:
-            self.acceptance.update(self._matched_n, verification.attempted, verification.accepted)
+            self.acceptance.update(self._kind(self._matched_n), verification.attempted, verification.accepted)
         if len(tree) and outcome.verification.accepted == tree.max_depth:
             self._copy_length = min(2 * self._copy_length, self.max_copy_length)
+            self._streak = min(self._streak + 1, 2)
         else:
             self._copy_length = self.draft_length
+            self._streak = 0
+
+    def _kind(self, n: int) -> tuple[int, int]:
+        """What acceptance is learned per: the matched n-gram length and whether copies have just been accepted in
+        full (a copy that keeps going tends to keep going, as CopySpec observes)."""
+        return n, self._streak

@@ -59,3 +59,49 @@ def use_row_efficient_linear(model: nn.Module) -> int:
             model.set_submodule(name, RowEfficientLinear(module))
             replaced += 1
     return replaced
+
+
+#: Name under which :func:`grouped_query_sdpa` is registered with transformers' ``AttentionInterface``.
+GQA_SDPA = "draftwise_gqa_sdpa"
+
+
+def grouped_query_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Scaled dot-product attention that keeps grouped key/value heads grouped, with or without a mask.
+
+    transformers' own ``sdpa`` copies every key/value head once per query group (``repeat_kv``) whenever a mask is
+    given and more than one row is queried, which is every tree verification: at 1000 cached tokens that copy costs
+    more than the attention itself. ``enable_gqa`` lets PyTorch read the shared heads in place.
+    """
+    groups = query.shape[1] // key.shape[1]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    output = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+        is_causal=causal and attention_mask is None and query.shape[2] > 1,
+        enable_gqa=groups > 1,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_query_sdpa(model: nn.Module) -> None:
+    """Run ``model``'s attention through :func:`grouped_query_sdpa` (registered with transformers' public
+    ``AttentionInterface`` under :data:`GQA_SDPA`)."""
+    from transformers import AttentionInterface
+
+    if GQA_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GQA_SDPA, grouped_query_sdpa)
+    model.set_attn_implementation(GQA_SDPA)

@@ -50,7 +50,15 @@ class LatencyModel:
         return self.prior[low] + fraction * (self.prior[high] - self.prior[low])
 
     def cost(self, rows: int) -> float:
-        """Estimated seconds (or relative units before any measurement) of a forward of ``rows`` rows."""
+        """Estimated seconds (or relative units before any measurement) of a forward of ``rows`` rows.
+
+        Never more than a measured larger forward: noise must not make a row count look dearer than a bigger one.
+        """
+        estimate = self._estimate(rows)
+        larger = [seconds for measured, seconds in self._seconds.items() if measured > rows]
+        return min([estimate, *larger])
+
+    def _estimate(self, rows: int) -> float:
         if rows in self._seconds:
             return self._seconds[rows]
         if not self._seconds:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError, ModelNotInstalledError
-from .kernels import use_row_efficient_linear
+from .kernels import use_grouped_query_sdpa, use_row_efficient_linear
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 24
@@ -260,7 +260,8 @@ def load_model(
         dtype: weights dtype (float32 is fastest on CPUs without bf16 matrix units).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         cache_dir: where converted checkpoints are kept (default ``~/.cache/draftwise``).
-        fast_linear: on CPU, use :class:`~draftwise.kernels.RowEfficientLinear` for cheap few-row forwards.
+        fast_linear: on CPU, use :class:`~draftwise.kernels.RowEfficientLinear` and grouped-query attention without
+            head copies (:func:`~draftwise.kernels.grouped_query_sdpa`) for cheap few-row forwards.
         progress: print a line when a one-time conversion runs.
 
     Returns:
@@ -288,4 +289,5 @@ def load_model(
         tokenizer = None
     if fast_linear and model.device.type == "cpu":
         use_row_efficient_linear(model)
+        use_grouped_query_sdpa(model)
     return model, tokenizer

@@ -646,3 +646,20 @@ def test_every_method_matches_ar(models, kind, method):
         steps += result.stats.steps
         tokens += result.stats.new_tokens
     assert steps < tokens, f"{method} never got a draft token accepted"
+
+
+def test_grouped_query_sdpa_keeps_transformers_paths_exact(tiny_llama):
+    """With draftwise's attention installed, transformers' own generate and prompt lookup (which build their own
+    masks) still give plain greedy decoding's ids."""
+    from draftwise.bench import run_hf
+    from draftwise.kernels import use_grouped_query_sdpa
+
+    model = copy.deepcopy(tiny_llama)
+    use_grouped_query_sdpa(model)
+    for prompt, max_new_tokens in CASES["llama"][:5]:
+        expected = ar_ids(tiny_llama, prompt, max_new_tokens)
+        ours = draftwise.generate(model, None, prompt_ids=prompt, method="pld", max_new_tokens=max_new_tokens)
+        assert ours.token_ids == expected
+        for lookup in (False, True):
+            ids, _ = run_hf(model, prompt, max_new_tokens, [], lookup)
+            assert ids == expected

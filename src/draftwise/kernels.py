@@ -83,15 +83,21 @@ def grouped_query_sdpa(
     more than the attention itself. ``enable_gqa`` lets PyTorch read the shared heads in place.
     """
     groups = query.shape[1] // key.shape[1]
+    rows, keys = query.shape[2], key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, :keys]
+    elif causal and rows > 1 and rows != keys:
+        # SDPA's is_causal aligns the diagonal top-left; with cached keys the queries are the last rows.
+        attention_mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(keys - rows)
     output = F.scaled_dot_product_attention(
         query,
         key,
         value,
-        attn_mask=attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None,
+        attn_mask=attention_mask,
         dropout_p=dropout if module.training else 0.0,
         scale=scaling,
-        is_causal=causal and attention_mask is None and query.shape[2] > 1,
+        is_causal=causal and attention_mask is None and rows > 1,
         enable_gqa=groups > 1,
     )
     return output.transpose(1, 2).contiguous(), None
@@ -101,7 +107,9 @@ def use_grouped_query_sdpa(model: nn.Module) -> None:
     """Run ``model``'s attention through :func:`grouped_query_sdpa` (registered with transformers' public
     ``AttentionInterface`` under :data:`GQA_SDPA`)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if GQA_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(GQA_SDPA, grouped_query_sdpa)
+    AttentionInterface.register(GQA_SDPA, grouped_query_sdpa)
+    # transformers builds masks for its own calls (generate, prompt lookup) per attention name: SDPA's masks.
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
     model.set_attn_implementation(GQA_SDPA)

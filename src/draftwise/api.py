@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from .stats import GenerationStats
 Messages = Sequence[Mapping[str, Any]]
 
 #: Options of :class:`~draftwise.sampling.SamplingParams` accepted as keywords by generate/stream.
-SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "do_sample")
+SAMPLING_OPTIONS = (*(option.name for option in fields(SamplingParams)), "do_sample")
 
 
 @dataclass

@@ -13,6 +13,7 @@ Metrics (see :mod:`draftwise.stats`): ``tokens_per_s`` = total tokens / total ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
@@ -28,8 +29,6 @@ from .data import Prompt
 from .drafters import Drafter, make_drafter
 from .latency import LatencyModel
 from .sampling import SamplingParams
-
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
 HF_ROWS = ("hf", "hf-pld")
 OVERALL = "overall"
@@ -109,7 +108,7 @@ def run_method(
         method=method,
         max_new_tokens=max_new_tokens,
         latency=latency,
-        **{name: getattr(sampling, name) for name in SAMPLING_FIELDS},
+        **dataclasses.asdict(sampling),
     )
     return result.token_ids, result.stats.time_s, result.stats.steps
 

@@ -71,6 +71,7 @@ class TokenRecyclingDrafter(Drafter):
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
+        token_paths: list[tuple[int, ...]] = []  # each node's tokens from the root down
         node_of: dict[tuple[int, ...], int] = {}
         self._rank_of_path = {}
         if root >= self.matrix.shape[0]:
@@ -83,7 +84,7 @@ class TokenRecyclingDrafter(Drafter):
             if parent_token >= self.matrix.shape[0]:
                 continue
             token = int(self.matrix[parent_token, ranks[-1]])
-            path = (*self._token_path(tokens, parents, parent), token)
+            path = (*(token_paths[parent] if parent != ROOT else ()), token)
             if token == EMPTY or path in self._rank_of_path:
                 continue
             rate = self.acceptance.rate(ranks[-1], len(ranks))
@@ -91,16 +92,9 @@ class TokenRecyclingDrafter(Drafter):
             self._rank_of_path[path] = ranks[-1]
             tokens.append(token)
             parents.append(parent)
+            token_paths.append(path)
             scores.append(rate if parent == ROOT else scores[parent] * rate)
         return DraftTree(tuple(tokens), tuple(parents), tuple(scores)).best(budget)
-
-    @staticmethod
-    def _token_path(tokens: list[int], parents: list[int], node: int) -> tuple[int, ...]:
-        path = []
-        while node != ROOT:
-            path.append(tokens[node])
-            node = parents[node]
-        return tuple(reversed(path))
 
     def observe(self, outcome: StepOutcome) -> None:
         tree = outcome.tree
@@ -130,7 +124,7 @@ class TokenRecyclingDrafter(Drafter):
             parent = chosen
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the adjacency matrix and acceptance counts (numpy ``.npz``, no pickles)."""
+        """Write the adjacency matrix (numpy ``.npz``, no pickles); acceptance estimates are relearned."""
         np.savez_compressed(path, matrix=self.matrix, top_k=np.int64(self.top_k))
 
     def load(self, path: str | os.PathLike) -> None:

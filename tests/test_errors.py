@@ -331,7 +331,6 @@ def questions(tmp_path) -> Path:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["bench", "--dataset", "nope"], "unknown dataset"),
         (["bench", "--max-new-tokens", "0"], "must be positive"),
         (["bench", "--max-new-tokens", "-3"], "must be positive"),
         (["bench", "--per-category", "0"], "must be positive"),
@@ -346,14 +345,21 @@ def test_cli_bench_errors_before_loading(no_model_loading, capsys, argv, message
     assert message in error
 
 
+def test_cli_bench_unknown_dataset(no_model_loading, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--dataset", "nope"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
 def test_cli_bench_missing_data_file(no_model_loading, capsys, tmp_path):
     assert cli.main(["bench", "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_cli_bench_no_prompts_selected(no_model_loading, capsys, questions):
+def test_cli_bench_unknown_category(no_model_loading, capsys, questions):
     assert cli.main(["bench", "--data", str(questions), "--categories", "nothing"]) == 2
-    assert "no prompts" in capsys.readouterr().err
+    assert "unknown category nothing" in capsys.readouterr().err
 
 
 def test_cli_generate_prompt_twice(no_model_loading, capsys, tmp_path):

@@ -190,7 +190,7 @@ def decode(
                 attempted=min(verification.attempted, len(event.tokens)),
             )
             observe_started = time.perf_counter()
-            drafter.observe(StepOutcome(tree, verification, logits, tuple(context), snapshot[-1]))
+            drafter.observe(StepOutcome(tree, verification, logits, tuple(context), snapshot[-1], snapshot))
             stats.draft_time_s += time.perf_counter() - observe_started
             stats.time_s = time.perf_counter() - started
             yield event

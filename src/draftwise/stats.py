@@ -56,6 +56,14 @@ class GenerationStats:
         return [accepts / attempts for accepts, attempts in zip(self.accepts_per_position, self.attempts_per_position)]
 
     @property
+    def accepted_length_histogram(self) -> list[int]:
+        """Steps by accepted length: entry ``n`` counts the steps that emitted ``n`` tokens (entry 0 is always 0)."""
+        histogram = [0] * (max(self.accepted_lengths, default=0) + 1)
+        for length in self.accepted_lengths:
+            histogram[length] += 1
+        return histogram
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
 
@@ -70,6 +78,7 @@ class GenerationStats:
             mean_accepted_tokens=self.mean_accepted_tokens,
             acceptance_rate=self.acceptance_rate,
             acceptance_per_position=self.acceptance_per_position,
+            accepted_length_histogram=self.accepted_length_histogram,
             tokens_per_s=self.tokens_per_s,
             draft_time_share=self.draft_time_share,
         )

@@ -9,17 +9,23 @@ import inspect
 from collections.abc import Callable
 
 from ..errors import UnknownMethodError, UnsupportedOptionError
+from .aded import AdedDrafter
 from .base import Drafter, NoDrafter, StepOutcome
+from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
+from .rest import RestDrafter
 from .token_recycling import TokenRecyclingDrafter
 
-__all__ = ["Drafter", "NoDrafter", "PromptLookupDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "make_drafter", "parse_method"]
+__all__ = ["AdedDrafter", "Drafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "make_drafter", "parse_method"]
 
 #: Method name -> drafter factory. ``ar`` is plain autoregressive decoding through the same engine.
 METHODS: dict[str, Callable[..., Drafter]] = {
     NoDrafter.name: NoDrafter,
     PromptLookupDrafter.name: PromptLookupDrafter,
     TokenRecyclingDrafter.name: TokenRecyclingDrafter,
+    RestDrafter.name: RestDrafter,
+    LookaheadDrafter.name: LookaheadDrafter,
+    AdedDrafter.name: AdedDrafter,
 }
 
 

@@ -23,6 +23,7 @@ class StepOutcome:
             after the user's sampling transforms; drafters that learn from the model read their top tokens.
         context: the full token sequence (prompt and output) after this step's tokens were appended.
         root: the token at row 0 (the last token before this step's), when the engine knows it.
+        previous: the context the tree was drafted for (ending with ``root``), when the engine knows it.
     """
 
     tree: DraftTree
@@ -30,6 +31,7 @@ class StepOutcome:
     logits: torch.Tensor
     context: Sequence[int]
     root: int | None = None
+    previous: Sequence[int] = ()
 
 
 class Drafter(ABC):

@@ -1,0 +1,317 @@
+"""ADED (adaptive draft-verification): a tri-gram model of the target's output, adapted while decoding and searched
+by Monte-Carlo tree search for the draft tree most likely to be accepted.
+
+- The :class:`~draftwise.trigram.TrigramStore` holds P(c | a, b); it may start from a counted corpus
+  (``draftwise corpus build``) or empty.
+- Adaptation: after every verification the model's own top prediction at every verified row (rejected rows included:
+  the forward computed them anyway) is added to the store under that row's last two tokens, as are the tri-grams of
+  each new prompt, so the store converges to this model on this kind of text. The store outlives requests; ``save``
+  and ``load`` carry it across processes.
+- Search: PUCT selection with the tri-gram prior, expansion of every successor, rollouts sampled from the tri-gram
+  rows, the path probability under the tri-gram model as the reward, back-propagation; the most visited paths are
+  extended greedily by one token, merged (shared prefixes once) and scored.
+- Copies: a tri-gram sees only two tokens back, so the continuations of earlier occurrences of the context's last
+  2-4 tokens (as prompt lookup finds them) join the searched paths in the same tree; ``copy_length=0`` turns this
+  off for pure tri-gram drafts.
+- Scores: each node is scored with its learned acceptance rate (per tri-gram probability bucket, or copied n-gram
+  length, and depth), so the engine verifies only the part of the tree that pays for itself on this machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Sequence
+
+import torch
+
+from ..acceptance import AcceptanceTracker
+from ..ngram import NGramIndex
+from ..tree import ROOT, DraftTree
+from ..trigram import TrigramStore
+from .base import Drafter, StepOutcome
+
+#: Upper edges of the probability buckets that acceptance is learned per.
+PROBABILITY_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def probability_bucket(probability: float) -> int:
+    for bucket, edge in enumerate(PROBABILITY_BUCKETS):
+        if probability < edge:
+            return bucket
+    return len(PROBABILITY_BUCKETS)
+
+
+class SearchTree:
+    """The Monte-Carlo search tree, as flat lists (node 0 is the root, the context's last token)."""
+
+    def __init__(self, pair: tuple[int, int]) -> None:
+        self.tokens: list[int] = [pair[1]]
+        self.parents: list[int] = [ROOT]
+        self.priors: list[float] = [1.0]
+        self.path_probability: list[float] = [1.0]
+        self.depths: list[int] = [0]
+        self.pairs: list[tuple[int, int]] = [pair]
+        self.visits: list[int] = [0]
+        self.value: list[float] = [0.0]
+        self.children: list[list[int] | None] = [None]  # None = not expanded yet
+
+    def add(self, parent: int, token: int, prior: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.priors.append(prior)
+        self.path_probability.append(self.path_probability[parent] * prior)
+        self.depths.append(self.depths[parent] + 1)
+        self.pairs.append((self.pairs[parent][1], token))
+        self.visits.append(0)
+        self.value.append(0.0)
+        self.children.append(None)
+        return node
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root's child down to ``node``."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def search(
+    lookup,
+    pair: tuple[int, int],
+    iterations: int,
+    max_depth: int,
+    rollout_depth: int,
+    c1: float,
+    c2: float,
+    rng: random.Random,
+) -> SearchTree:
+    """Monte-Carlo tree search over the tri-gram model from the context's last two tokens ``pair``.
+
+    ``lookup(a, b)`` returns the successors of ``(a, b)`` and their probabilities, strongest first. Selection is
+    PUCT: ``Q + (c1 + ln((N + c2 + 1) / c2)) * prior * sqrt(N) / (1 + n)``; the reward of an iteration is the
+    probability of the selected path and its rollout under the tri-gram model.
+    """
+    tree = SearchTree(pair)
+    for _ in range(iterations):
+        node = 0
+        while tree.children[node]:
+            parent_visits = tree.visits[node]
+            explore = (c1 + math.log((parent_visits + c2 + 1) / c2)) * math.sqrt(parent_visits)
+            best, best_value = -1, -math.inf
+            for child in tree.children[node]:
+                visits = tree.visits[child]
+                value = (tree.value[child] / visits if visits else 0.0) + explore * tree.priors[child] / (1 + visits)
+                if value > best_value:
+                    best, best_value = child, value
+            node = best
+        if tree.children[node] is None:
+            tree.children[node] = []
+            if tree.depths[node] < max_depth:
+                successors, probabilities = lookup(*tree.pairs[node])
+                tree.children[node] = [tree.add(node, t, p) for t, p in zip(successors, probabilities)]
+        reward = tree.path_probability[node]
+        a, b = tree.pairs[node]
+        for _ in range(rollout_depth):
+            successors, probabilities = lookup(a, b)
+            if not successors:
+                break
+            choice = rng.choices(range(len(successors)), weights=probabilities)[0]
+            reward *= probabilities[choice]
+            a, b = b, successors[choice]
+        while node >= 0:
+            tree.visits[node] += 1
+            tree.value[node] += reward
+            node = tree.parents[node]
+    return tree
+
+
+class AdedDrafter(Drafter):
+    """Draft trees from an adaptive tri-gram model searched by Monte-Carlo tree search.
+
+    Args:
+        corpus: a tri-gram store written by ``draftwise corpus build`` (or a saved state) to start from.
+        top_k: successors kept per token pair (when starting empty).
+        max_pairs: memory bound of the store, in token pairs.
+        iterations: search iterations per step.
+        max_depth: deepest search node (the draft may be one token deeper after greedy extension).
+        rollout_depth: tokens sampled after a selected node to estimate its reward.
+        paths: most visited paths kept from the search.
+        c1, c2: PUCT exploration constants.
+        learning_rate: weight added to a tri-gram the model produced (capped at ``cap``).
+        context_rate: weight added to each tri-gram of a new prompt.
+        cap: largest weight of a successor.
+        seed: seed of the rollouts; drafting is deterministic for a fixed seed.
+        copy_length: tokens copied after each earlier occurrence of the context's last n-gram (n from 4 down to 2),
+            merged into the searched tree as further candidate paths; 0 turns copying off (pure tri-gram drafts).
+        copy_matches: occurrences copied at most.
+    """
+
+    name = "aded"
+
+    def __init__(
+        self,
+        corpus: str | None = None,
+        top_k: int = 12,
+        max_pairs: int = 4_000_000,
+        iterations: int = 48,
+        max_depth: int = 5,
+        rollout_depth: int = 4,
+        paths: int = 24,
+        c1: float = 32.0,
+        c2: float = 8.0,
+        learning_rate: float = 0.5,
+        context_rate: float = 0.1,
+        cap: float = 3.0,
+        seed: int = 0,
+        copy_length: int = 12,
+        copy_matches: int = 2,
+    ) -> None:
+        if iterations < 1 or max_depth < 1 or rollout_depth < 0 or paths < 1:
+            raise ValueError("need iterations >= 1, max_depth >= 1, rollout_depth >= 0 and paths >= 1")
+        if learning_rate < 0 or context_rate < 0 or cap <= 0:
+            raise ValueError("need learning_rate >= 0, context_rate >= 0 and cap > 0")
+        if copy_length < 0 or copy_matches < 1:
+            raise ValueError("need copy_length >= 0 and copy_matches >= 1")
+        self.copy_length = copy_length
+        self.copy_matches = copy_matches
+        # A tri-gram sees two tokens back; a longer match in the context predicts verbatim repeats far better.
+        self.index = NGramIndex(2, 4)
+        self.store = TrigramStore(top_k=top_k, max_pairs=max_pairs)
+        if corpus is not None:
+            self.load(corpus)
+        self.iterations = iterations
+        self.max_depth = max_depth
+        self.rollout_depth = rollout_depth
+        self.paths = paths
+        self.c1 = c1
+        self.c2 = c2
+        self.learning_rate = learning_rate
+        self.context_rate = context_rate
+        self.cap = cap
+        self.rng = random.Random(seed)
+        self.acceptance = AcceptanceTracker()
+        self._kind_of_path: dict[tuple[int, ...], object] = {}
+        self._context: Sequence[int] = ()
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.index.reset()
+        if self.context_rate:
+            self.store.add_sequence(prompt, self.context_rate, self.cap)
+
+    def propose(self, context: Sequence[int], budget: int) -> DraftTree:
+        self._context = context
+        self._kind_of_path = {}
+        if len(context) < 2 or budget < 1:
+            return DraftTree()
+        rows: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+
+        def lookup(a: int, b: int) -> tuple[list[int], list[float]]:
+            row = rows.get((a, b))
+            if row is None:
+                row = rows[(a, b)] = self.store.row(a, b)
+            return row
+
+        found = search(
+            lookup, (context[-2], context[-1]), self.iterations, self.max_depth, self.rollout_depth,
+            self.c1, self.c2, self.rng,
+        )
+        return DraftTree.from_scored_paths([*self._copies(context), *self._searched_paths(found, lookup)], budget)
+
+    def _copies(self, context: Sequence[int]) -> list[tuple[list[float], list[int]]]:
+        """What followed earlier occurrences of the context's last n-gram, longest n-grams first."""
+        if not self.copy_length:
+            return []
+        self.index.extend(context)
+        paths: list[tuple[list[float], list[int]]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(self.index.max_n, self.index.min_n - 1, -1):
+            for start in self.index.continuations(context, n):
+                continuation = tuple(context[start : start + self.copy_length])
+                if continuation in seen:
+                    continue
+                seen.add(continuation)
+                paths.append((self._rates(continuation, [("copy", n)] * len(continuation)), list(continuation)))
+                if len(paths) >= self.copy_matches:
+                    return paths
+        return paths
+
+    def _rates(self, tokens: Sequence[int], kinds: Sequence[object]) -> list[float]:
+        """Learned acceptance rate of each token of a path (the first path to reach a prefix sets its kind)."""
+        rates = []
+        prefix: tuple[int, ...] = ()
+        for depth, (token, kind) in enumerate(zip(tokens, kinds), 1):
+            prefix = (*prefix, token)
+            rates.append(self.acceptance.rate(self._kind_of_path.setdefault(prefix, kind), depth))
+        return rates
+
+    def _searched_paths(self, found: SearchTree, lookup) -> list[tuple[list[float], list[int]]]:
+        """The most visited search paths, each extended by its greedy tri-gram successor, with calibrated
+        acceptance rates (per tri-gram probability bucket and depth)."""
+        visited = sorted((node for node in range(1, len(found.tokens)) if found.visits[node]),
+                         key=lambda node: (-found.visits[node], found.depths[node]))[: self.paths]
+        chosen = set(visited)
+        for node in visited:  # ties can leave an ancestor out: keep the set prefix-closed
+            chosen.update(found.path(node))
+        leaves = [node for node in visited if not any(child in chosen for child in found.children[node] or ())]
+        scored_paths = []
+        for leaf in leaves:
+            nodes = found.path(leaf)
+            tokens = [found.tokens[node] for node in nodes]
+            probabilities = [found.priors[node] for node in nodes]
+            successors, successor_probabilities = lookup(*found.pairs[leaf])
+            if successors:
+                tokens.append(successors[0])
+                probabilities.append(successor_probabilities[0])
+            scored_paths.append((self._rates(tokens, [probability_bucket(p) for p in probabilities]), tokens))
+        return scored_paths
+
+    def observe(self, outcome: StepOutcome) -> None:
+        tree = outcome.tree
+        # The engine may skip proposing (no room left to draft) yet still report the step: use its context.
+        previous = outcome.previous or self._context
+        root = outcome.root if outcome.root is not None else previous[-1]
+        before = previous[-2] if len(previous) >= 2 else None
+        predictions = torch.argmax(outcome.logits[: len(tree) + 1].float(), dim=-1).tolist()
+        # The last two tokens of every row: the root's, then each node's along its path.
+        pairs: list[tuple[int | None, int]] = [(before, root)]
+        for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            pairs.append((pairs[parent + 1][1], token))
+        for (a, b), prediction in zip(pairs, predictions):
+            if a is not None:
+                self.store.add(a, b, prediction, self.learning_rate, self.cap)
+        # The emitted tokens once more: the output itself weighs more than predictions off the path (and when
+        # sampling, the emitted token need not be the top prediction).
+        if before is not None:
+            self.store.add_sequence([before, root, *outcome.verification.tokens], self.learning_rate, self.cap)
+        self._learn_kinds(outcome)
+
+    def _learn_kinds(self, outcome: StepOutcome) -> None:
+        """Conditional acceptance per (kind, depth), kind = tri-gram probability bucket or copied n-gram length: at
+        each level on offer, which node was taken."""
+        tree = outcome.tree
+        accepted = outcome.verification.accepted_nodes
+        parent = ROOT
+        prefix: tuple[int, ...] = ()
+        for depth in range(1, outcome.verification.attempted + 1):
+            chosen = accepted[depth - 1] if depth - 1 < len(accepted) else None
+            for child, child_parent in enumerate(tree.parents):
+                if child_parent == parent:
+                    kind = self._kind_of_path.get((*prefix, tree.tokens[child]))
+                    if kind is not None:
+                        self.acceptance.update_one(kind, depth, child == chosen)
+            if chosen is None:
+                break
+            parent = chosen
+            prefix = (*prefix, tree.tokens[chosen])
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the adapted store (numpy ``.npz``, the format of ``draftwise corpus build``)."""
+        self.store.save(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace the store with a saved one (a corpus or a saved state)."""
+        self.store, _ = TrigramStore.load(path)

@@ -1,0 +1,81 @@
+"""PNG charts of benchmark summaries (matplotlib figures drawn straight to files, no pyplot and no display)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+
+def _save(figure: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _bar_width(series: int) -> float:
+    return 0.8 / max(series, 1)
+
+
+def speedup_chart(speedups: Mapping[str, Mapping[str, float]], categories: Sequence[str], path: str | Path) -> Path:
+    """Grouped bars: for each category, each row's speedup over ``ar`` (``speedups[row][category]``)."""
+    figure = Figure(figsize=(max(6.0, 1.2 * len(categories) * max(len(speedups), 1) ** 0.5 + 3), 4.5))
+    axes = figure.subplots()
+    width = _bar_width(len(speedups))
+    for index, (row, values) in enumerate(speedups.items()):
+        offsets = [position + (index - (len(speedups) - 1) / 2) * width for position in range(len(categories))]
+        axes.bar(offsets, [values.get(category, 0.0) for category in categories], width, label=row)
+    axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axes.set_xticks(range(len(categories)), categories, rotation=20, ha="right")
+    axes.set_ylabel("speedup over ar (total tokens / total time)")
+    axes.set_title("Speedup by category")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def acceptance_length_chart(histograms: Mapping[str, Sequence[int]], path: str | Path) -> Path:
+    """Grouped bars: share of steps that emitted n tokens, per row (``histograms[row][n]`` counts steps)."""
+    longest = max((len(histogram) for histogram in histograms.values()), default=2) - 1
+    lengths = list(range(1, max(longest, 1) + 1))
+    figure = Figure(figsize=(max(6.0, 0.45 * len(lengths) * max(len(histograms), 1) + 2), 4.5))
+    axes = figure.subplots()
+    width = _bar_width(len(histograms))
+    for index, (row, histogram) in enumerate(histograms.items()):
+        steps = sum(histogram) or 1
+        shares = [(histogram[length] if length < len(histogram) else 0) / steps for length in lengths]
+        offsets = [length + (index - (len(histograms) - 1) / 2) * width for length in lengths]
+        axes.bar(offsets, shares, width, label=row)
+    axes.set_xticks(lengths)
+    axes.set_xlabel("tokens accepted in a step (bonus token included)")
+    axes.set_ylabel("share of steps")
+    axes.set_title("Accepted length per step")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def budget_chart(
+    series: Mapping[str, Sequence[tuple[int, float]]], baselines: Mapping[str, float], path: str | Path
+) -> Path:
+    """Tokens/s against the draft budget, one line per method (``series[method]`` = ``(budget, tokens/s)``
+    points), with horizontal lines for the baselines."""
+    figure = Figure(figsize=(6.5, 4.5))
+    axes = figure.subplots()
+    for method, points in series.items():
+        ordered = sorted(points)
+        axes.plot([budget for budget, _ in ordered], [rate for _, rate in ordered], marker="o", label=method)
+    for name, rate in baselines.items():
+        axes.axhline(rate, linestyle="--", linewidth=0.9, color="grey")
+        axes.annotate(name, (0, rate), xycoords=("axes fraction", "data"), fontsize="small", va="bottom")
+    budgets = sorted({budget for points in series.values() for budget, _ in points})
+    if budgets and budgets[0] > 0:
+        axes.set_xscale("log", base=2)  # budgets are usually swept in powers of two
+        axes.minorticks_off()
+    axes.set_xticks(budgets, [str(budget) for budget in budgets])
+    axes.set_xlabel("draft budget (most draft nodes per step)")
+    axes.set_ylabel("tokens/s")
+    axes.set_title("Speed against draft budget")
+    axes.legend(fontsize="small")
+    return _save(figure, path)

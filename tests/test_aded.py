@@ -1,0 +1,575 @@
+"""ADED: the tri-gram store (rows, online updates, merging, eviction, counting, files), the Monte-Carlo tree search,
+the drafter (budget, scores, online learning, saved state, options) and its exactness against plain greedy decoding."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import draftwise
+from draftwise.drafters import make_drafter
+from draftwise.drafters.aded import AdedDrafter, SearchTree, probability_bucket, search
+from draftwise.errors import UnsupportedOptionError
+from draftwise.trigram import BACKOFF, EMPTY, TrigramCounter, TrigramStore, count_documents, pack_pair, pack_pairs
+
+from tiny import repetitive_prompt
+
+PROMPT = [3, 9, 4, 9, 4, 3, 9, 4, 7]
+
+
+class DictTrigramModel:
+    """The store's documented behaviour with nothing bounded or batched: a plain dictionary of rows."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self.rows: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+
+    def add(self, a: int, b: int, c: int, amount: float, cap: float) -> None:
+        for key in ((a, b), (BACKOFF, b)):
+            tokens, weights = self.rows.setdefault(key, ([], []))
+            if c in tokens:
+                weights[tokens.index(c)] = min(cap, weights[tokens.index(c)] + amount)
+            elif len(tokens) < self.top_k:
+                tokens.append(c)
+                weights.append(min(cap, amount))
+            else:
+                weakest = weights.index(min(weights))
+                if weights[weakest] < amount:
+                    tokens[weakest], weights[weakest] = c, min(cap, amount)
+
+    def row(self, a: int, b: int) -> tuple[list[int], list[float]]:
+        tokens, weights = self.rows.get((a, b)) or self.rows.get((BACKOFF, b)) or ([], [])
+        order = sorted(range(len(tokens)), key=lambda i: -weights[i])
+        total = sum(weights)
+        return [tokens[i] for i in order], [weights[i] / total for i in order]
+
+
+def assert_same_rows(store: TrigramStore, model: DictTrigramModel, alphabet: int) -> None:
+    for a in range(alphabet):
+        for b in range(alphabet):
+            tokens, probabilities = store.row(a, b)
+            expected_tokens, expected_probabilities = model.row(a, b)
+            assert tokens == expected_tokens, (a, b)
+            assert probabilities == pytest.approx(expected_probabilities)
+
+
+def store_from_sequences(rng: random.Random, count: int = 30, alphabet: int = 12, **options) -> TrigramStore:
+    store = TrigramStore(**options)
+    for _ in range(count):
+        store.add_sequence([rng.randrange(alphabet) for _ in range(rng.randint(3, 15))], amount=0.5)
+    return store
+
+
+# ------------------------------------------------------------------------------------------------ tri-gram store
+
+
+def test_row_is_normalised_strongest_first_and_backs_off():
+    store = TrigramStore(top_k=4)
+    store.add(1, 2, 7, 0.5)
+    store.add(1, 2, 8, 1.5)
+    store.add(1, 2, 9, 1.0)
+    store.add(5, 2, 6, 2.0)
+    tokens, probabilities = store.row(1, 2)
+    assert tokens == [8, 9, 7]
+    assert probabilities == pytest.approx([0.5, 1 / 3, 1 / 6])
+    assert sum(probabilities) == pytest.approx(1.0)
+    # (4, 2) is unknown: the bi-gram row of 2 holds every successor ever seen after 2.
+    tokens, probabilities = store.row(4, 2)
+    assert tokens == [6, 8, 9, 7]
+    assert probabilities == pytest.approx([2 / 5, 1.5 / 5, 1 / 5, 0.5 / 5])
+    assert store.row(1, 3) == ([], [])
+    store.merge()  # the same answers from the arrays
+    assert store.row(1, 2)[0] == [8, 9, 7] and store.row(4, 2)[0] == [6, 8, 9, 7]
+
+
+def test_add_caps_inserts_and_displaces_only_weaker_successors():
+    store = TrigramStore(top_k=2)
+    for _ in range(10):
+        store.add(1, 2, 3, 1.0, cap=2.5)
+    store.add(1, 2, 4, 0.5, cap=2.5)
+    store.merge()
+    index = int(np.searchsorted(store.keys, pack_pair(1, 2)))
+    assert store.tokens[index].tolist() == [3, 4] and store.weights[index].tolist() == [2.5, 0.5]
+    store.add(1, 2, 5, 0.5, cap=2.5)  # not stronger than the weakest (0.5): refused
+    assert store.row(1, 2)[0] == [3, 4]
+    store.add(1, 2, 5, 0.75, cap=2.5)  # stronger: takes the weakest's place
+    assert store.row(1, 2)[0] == [3, 5]
+    store.add(1, 2, 6, 9.0, cap=2.5)  # a new successor is capped too
+    tokens, probabilities = store.row(1, 2)
+    assert sorted(tokens) == [3, 6] and probabilities == pytest.approx([0.5, 0.5])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 5), st.sampled_from([0.25, 0.5, 1.0, 2.0])),
+        max_size=60,
+    ),
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.sampled_from([1.5, 3.0]),
+)
+def test_online_rows_and_merges_match_a_dictionary(additions, top_k, merge_every, cap):
+    """Rows survive any interleaving of online updates and merges (amounts are exact in float32, so the
+    displacement decisions of the two models agree)."""
+    store = TrigramStore(top_k=top_k, merge_every=merge_every)
+    model = DictTrigramModel(top_k)
+    for step, (a, b, c, amount) in enumerate(additions):
+        store.add(a, b, c, amount, cap)
+        model.add(a, b, c, amount, cap)
+        if step % 7 == 0:
+            assert_same_rows(store, model, 6)
+    assert len(store) == len(model.rows)
+    assert_same_rows(store, model, 6)
+    store.merge()
+    assert len(store) == len(store.keys) == len(model.rows)
+    assert store.keys.tolist() == sorted(store.keys.tolist())
+    assert_same_rows(store, model, 6)
+
+
+def test_merge_evicts_the_weakest_rows():
+    pairs = pack_pairs(np.array([1, 2, 3]), np.array([1, 2, 3]))
+    # One successor per pair: weights n / (n + 1) = 0.5, 0.75 and 0.9.
+    store = TrigramStore.from_counts(pairs, np.array([5, 6, 7]), np.array([1, 3, 9]), top_k=2, max_pairs=3)
+    assert len(store) == 3
+    store.add(7, 8, 9, 0.8)  # two new rows, (7, 8) and (BACKOFF, 8), of strength 0.8
+    assert len(store) == 5  # the bound applies when merging
+    store.merge()
+    assert len(store) == 3
+    assert sorted(store.keys.tolist()) == sorted([pack_pair(3, 3), pack_pair(7, 8), pack_pair(BACKOFF, 8)])
+    assert store.row(3, 3) == ([7], [1.0]) and store.row(7, 8) == ([9], [1.0])
+    assert store.row(1, 1) == ([], []) and store.row(2, 2) == ([], [])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 6)), min_size=1, max_size=80),
+    st.integers(1, 4),
+    st.integers(1, 20),
+)
+def test_from_counts_keeps_the_top_successors(triples, top_k, max_pairs):
+    counts = Counter(triples)
+    unique = sorted(counts)
+    store = TrigramStore.from_counts(
+        pack_pairs(np.array([a for a, _, _ in unique]), np.array([b for _, b, _ in unique])),
+        np.array([c for _, _, c in unique]),
+        np.array([counts[key] for key in unique]),
+        top_k=top_k,
+        max_pairs=max_pairs,
+    )
+    by_pair: dict[tuple[int, int], Counter] = {}
+    for (a, b, c), count in counts.items():
+        by_pair.setdefault((a, b), Counter())[c] = count
+    strength = {}
+    for (a, b), successors in by_pair.items():
+        total = sum(successors.values())
+        ranked = sorted(successors.values(), reverse=True)
+        strength[pack_pair(a, b)] = sum(ranked[:top_k]) / (total + 1.0)
+    assert store.keys.tolist() == sorted(store.keys.tolist())
+    assert len(store) == min(max_pairs, len(by_pair))
+    kept = set(store.keys.tolist())
+    evicted = set(strength) - kept
+    if evicted:
+        assert min(strength[key] for key in kept) >= max(strength[key] for key in evicted) - 1e-6
+    for index, key in enumerate(store.keys.tolist()):
+        a, b = key >> 32, key & 0xFFFFFFFF
+        successors = by_pair[(a, b)]
+        total = sum(successors.values())
+        row_tokens = store.tokens[index].tolist()
+        filled = [token for token in row_tokens if token != EMPTY]
+        assert row_tokens == filled + [EMPTY] * (top_k - len(filled))  # successors first, padding after
+        assert len(filled) == min(top_k, len(successors))
+        kept_counts = [successors[token] for token in filled]
+        assert kept_counts == sorted(kept_counts, reverse=True)
+        dropped = [count for token, count in successors.items() if token not in filled]
+        assert not dropped or min(kept_counts) >= max(dropped)
+        weights = store.weights[index][: len(filled)].tolist()
+        assert weights == pytest.approx([count / (total + 1.0) for count in kept_counts])
+        assert store.row(a, b)[1] == pytest.approx([count / sum(kept_counts) for count in kept_counts])
+
+
+def test_from_counts_of_nothing_is_empty():
+    empty = np.empty(0, dtype=np.int64)
+    store = TrigramStore.from_counts(empty, empty, empty)
+    assert len(store) == 0 and store.row(1, 2) == ([], [])
+
+
+def test_save_load_round_trip_with_online_rows(tmp_path):
+    store = store_from_sequences(random.Random(1), top_k=3, max_pairs=500)
+    store.merge()
+    store.add_sequence([1, 2, 3, 4, 1, 2, 5], amount=1.0)  # online rows, some over array rows, not merged yet
+    assert store._online
+    expected = {(a, b): store.row(a, b) for a in range(13) for b in range(13)}
+    path = tmp_path / "store.npz"
+    store.save(path, tokenizer="chars", tokens=1234)
+    loaded, metadata = TrigramStore.load(path)
+    assert metadata == {"tokenizer": "chars", "tokens": "1234"}
+    assert (loaded.top_k, loaded.max_pairs, len(loaded)) == (3, 500, len(store))
+    assert {(a, b): loaded.row(a, b) for a in range(13) for b in range(13)} == expected
+    assert {3, 5} <= set(loaded.row(1, 2)[0])  # the online row made it into the file
+
+
+def test_files_that_are_not_stores_are_refused(tmp_path):
+    other = tmp_path / "other.npz"
+    np.savez(other, weights=np.zeros(3))
+    with pytest.raises(ValueError, match="not a draftwise tri-gram store"):
+        TrigramStore.load(other)
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_text("not a store at all")
+    with pytest.raises(ValueError):
+        TrigramStore.load(garbage)
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a readable tri-gram store"):
+        TrigramStore.load(empty)
+    with pytest.raises(ValueError, match="not a readable tri-gram store"):
+        TrigramStore.load(tmp_path / "missing.npz")
+    # A store file whose arrays disagree.
+    corrupt = tmp_path / "corrupt.npz"
+    store = store_from_sequences(random.Random(2), top_k=2)
+    store.save(corrupt)
+    with np.load(corrupt) as data:
+        arrays = dict(data)
+    arrays["tokens"] = arrays["tokens"][:, :1]
+    np.savez(corrupt, **arrays)
+    with pytest.raises(ValueError, match="corrupt"):
+        TrigramStore.load(corrupt)
+    with pytest.raises(ValueError):
+        TrigramStore(top_k=0)
+
+
+def test_non_npz_files_are_refused_with_the_store_error(tmp_path):
+    single = tmp_path / "single.npy"
+    np.save(single, np.zeros(3))
+    with pytest.raises(ValueError, match="tri-gram store"):
+        TrigramStore.load(single)
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_text("not a store at all")
+    with pytest.raises(ValueError, match="tri-gram store"):
+        TrigramStore.load(garbage)
+
+
+def brute_trigram_counts(documents: list[list[int]]) -> Counter:
+    counts: Counter = Counter()
+    for document in documents:
+        for index in range(len(document) - 1):
+            counts[(BACKOFF, document[index], document[index + 1])] += 1
+        for index in range(len(document) - 2):
+            counts[tuple(document[index : index + 3])] += 1
+    return counts
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=14), max_size=8), st.integers(1, 20))
+def test_counter_matches_brute_force_across_flushes(documents, batch_tokens):
+    counter = TrigramCounter(batch_tokens=batch_tokens)
+    for document in documents:
+        counter.add(np.array(document, dtype=np.int32))
+    pairs, successors, counts = counter.counts()
+    found = {
+        (int(pair) >> 32, int(pair) & 0xFFFFFFFF, int(successor)): int(count)
+        for pair, successor, count in zip(pairs, successors, counts)
+    }
+    assert len(found) == len(pairs)  # unique
+    assert found == dict(brute_trigram_counts(documents))
+    assert counter.tokens_seen == sum(len(document) for document in documents)
+    assert pairs.tolist() == sorted(pairs.tolist())
+
+
+def test_counting_never_spans_documents():
+    store = count_documents([np.array([1, 2]), np.array([3, 4, 5]), np.array([6])], top_k=4)
+    assert store.row(1, 2) == ([], [])  # nothing follows 2: the document ended
+    assert store.row(9, 3) == ([4], [1.0])  # back-off to the bi-gram of 3
+    assert store.row(3, 4) == ([5], [1.0])
+    assert store.row(9, 6) == ([], []) and store.row(9, 5) == ([], [])
+    assert sorted(store.keys.tolist()) == sorted(
+        [pack_pair(3, 4), pack_pair(BACKOFF, 1), pack_pair(BACKOFF, 3), pack_pair(BACKOFF, 4)]
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ search
+
+
+def toy_lookup(a: int, b: int) -> tuple[list[int], list[float]]:
+    """Three successors of every pair; the most probable continues counting."""
+    return [(b + 1) % 50, (b + 7) % 50, (b + 13) % 50], [0.6, 0.25, 0.15]
+
+
+def random_lookup(seed: int, alphabet: int = 8):
+    """A fixed random tri-gram model: up to four successors per pair (some pairs have none)."""
+
+    def lookup(a: int, b: int) -> tuple[list[int], list[float]]:
+        rng = random.Random(seed * 1_000_003 + a * 1009 + b)
+        successors = rng.sample(range(alphabet), rng.randint(0, 4))
+        weights = sorted((rng.random() + 0.01 for _ in successors), reverse=True)
+        return successors, [weight / sum(weights) for weight in weights]
+
+    return lookup
+
+
+def search_with(lookup, iterations: int = 48, max_depth: int = 5, rollout_depth: int = 4, seed: int = 0) -> SearchTree:
+    return search(lookup, (1, 2), iterations, max_depth, rollout_depth, 32.0, 8.0, random.Random(seed))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 80), st.integers(1, 6), st.integers(0, 4))
+def test_search_invariants(seed, iterations, max_depth, rollout_depth):
+    lookup = random_lookup(seed)
+    tree = search_with(lookup, iterations, max_depth, rollout_depth, seed)
+    again = search_with(lookup, iterations, max_depth, rollout_depth, seed)
+    assert (again.tokens, again.parents, again.visits) == (tree.tokens, tree.parents, tree.visits)
+    assert again.value == tree.value
+    assert tree.visits[0] == iterations
+    assert max(tree.depths) <= max_depth
+    for node, children in enumerate(tree.children):
+        assert tree.visits[node] >= sum(tree.visits[child] for child in children or ())
+        for child in children or ():
+            assert tree.parents[child] == node and tree.depths[child] == tree.depths[node] + 1
+            assert tree.pairs[child] == (tree.tokens[node], tree.tokens[child])
+            assert tree.path_probability[child] == pytest.approx(tree.path_probability[node] * tree.priors[child])
+        if children:  # expanded nodes hold exactly their lookup row
+            successors, probabilities = lookup(*tree.pairs[node])
+            assert [tree.tokens[child] for child in children] == successors
+            assert [tree.priors[child] for child in children] == probabilities
+    assert tree.pairs[0] == (1, 2)
+
+
+def test_search_prefers_the_most_probable_path():
+    tree = search_with(toy_lookup, iterations=200, max_depth=6)
+    node, path = 0, []
+    while tree.children[node]:
+        children = tree.children[node]
+        visits = [tree.visits[child] for child in children]
+        node = children[visits.index(max(visits))]
+        path.append(tree.tokens[node])
+    assert len(path) >= 3
+    assert path == list(range(3, 3 + len(path)))  # 2 -> 3 -> 4 -> ...
+    first_level = sorted(tree.children[0], key=lambda child: -tree.visits[child])
+    assert [tree.tokens[child] for child in first_level] == [3, 9, 15]
+
+
+def test_search_without_successors_stays_at_the_root():
+    tree = search_with(lambda a, b: ([], []), iterations=10)
+    assert tree.tokens == [2] and tree.visits == [10]
+
+
+def test_probability_buckets():
+    assert [probability_bucket(p) for p in (0.0, 0.05, 0.1, 0.3, 0.6, 0.8, 0.95, 1.0)] == [0, 0, 1, 2, 3, 4, 5, 5]
+
+
+# ----------------------------------------------------------------------------------------------------- drafter
+
+
+@pytest.mark.parametrize("copy_length", [0, 6])
+@pytest.mark.parametrize("budget", [0, 1, 2, 5, 16, 40])
+def test_proposals_respect_budget_order_and_scores(budget, copy_length):
+    rng = random.Random(budget)
+    drafter = AdedDrafter(max_depth=4, seed=budget, copy_length=copy_length)
+    drafter.store = store_from_sequences(rng, count=60, alphabet=10)
+    for _ in range(15):
+        context = [rng.randrange(10) for _ in range(rng.randint(0, 12))]
+        drafter.reset(context[:3])  # a new request; its context grows from here
+        for end in range(len(context) + 1):
+            tree = drafter.propose(tuple(context[:end]), budget)
+            check_proposal(drafter, tree, end, budget)
+
+
+def check_proposal(drafter: AdedDrafter, tree, context_length: int, budget: int) -> None:
+    assert len(tree) <= budget
+    if context_length < 2 or budget == 0:
+        assert len(tree) == 0
+        return
+    assert all(parent < node for node, parent in enumerate(tree.parents))
+    # A searched path is one token deeper than the search (its greedy extension); a copy is copy_length long.
+    assert tree.max_depth <= max(drafter.max_depth + 1, drafter.copy_length)
+    assert tree.scores is not None
+    for node, parent in enumerate(tree.parents):
+        assert 0 < tree.scores[node] <= 1
+        if parent >= 0:
+            assert tree.scores[node] <= tree.scores[parent]
+    assert len(set(zip(tree.parents, tree.tokens))) == len(tree)
+
+
+def tree_paths(tree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[node] for node in tree.path_to(index)) for index in range(len(tree))}
+
+
+def test_drafts_follow_the_learned_sequence():
+    """Pure tri-gram drafting: nothing before anything is learned, the learned sequence after."""
+    sequence = [11, 12, 13, 14, 15, 16, 17, 18]
+    drafter = AdedDrafter(copy_length=0)
+    assert len(drafter.propose(sequence * 2, 16)) == 0  # nothing learned yet (and copying is off)
+    drafter.reset(sequence * 3)  # the prompt's tri-grams
+    tree = drafter.propose(tuple(sequence * 3 + sequence[:2]), 16)
+    assert (13, 14, 15) in tree_paths(tree)
+    assert tree.max_depth <= drafter.max_depth + 1
+
+
+def test_copies_of_earlier_occurrences_join_the_tree():
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 1, 2, 3, 4]
+    drafter = AdedDrafter(context_rate=0, copy_length=6)  # an empty store: copies only
+    drafter.reset([])
+    tree = drafter.propose(tuple(context), 16)
+    assert (5, 6, 7, 8, 9, 20) in tree_paths(tree) and tree.max_depth == 6
+    assert len(AdedDrafter(context_rate=0, copy_length=0).propose(tuple(context), 16)) == 0
+    # The last 2-gram occurred twice: both continuations are copied (copy_matches=2), the latest first.
+    context = [7, 8, 1, 2, 9, 7, 8, 3, 4, 5, 7, 8]
+    drafter.reset([])
+    paths = tree_paths(drafter.propose(tuple(context), 16))
+    assert (3, 4, 5, 7, 8) in paths and (1, 2, 9, 7, 8, 3) in paths
+
+
+def test_learns_online_from_an_empty_store(tiny_llama):
+    drafter = AdedDrafter(copy_length=0)  # tri-grams only: what is drafted was learned
+    assert len(drafter.propose(PROMPT, 16)) == 0
+    first = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
+    assert len(drafter.store) > 0
+    # The same request again: the store holds the model's own continuation now.
+    second = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
+    assert second.token_ids == first.token_ids
+    assert second.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens
+    assert second.stats.mean_accepted_tokens > 1.5
+    context = tuple(PROMPT + first.token_ids[:10])
+    tree = drafter.propose(context, 16)
+    first_level = [tree.tokens[node] for node, parent in enumerate(tree.parents) if parent == -1]
+    assert first.token_ids[10] in first_level
+
+
+def test_a_step_without_a_proposal_learns_its_own_pair(tiny_llama):
+    drafter = AdedDrafter(context_rate=0)
+    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=2)
+    drafter.store.merge()
+    assert pack_pair(PROMPT[-1], result.token_ids[0]) in drafter.store.keys.tolist()
+
+
+def test_state_round_trip(tiny_llama, tmp_path):
+    drafter = AdedDrafter()
+    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
+    path = tmp_path / "aded.npz"
+    drafter.save(path)
+    restored = AdedDrafter(corpus=str(path))
+    assert np.array_equal(restored.store.keys, drafter.store.keys)
+    assert np.array_equal(restored.store.tokens, drafter.store.tokens)
+    # A fresh drafter on the saved store proposes exactly what a fresh drafter on the original store does.
+    same = AdedDrafter()
+    same.store = drafter.store
+    context = PROMPT + result.token_ids
+    for end in range(len(PROMPT), len(context)):
+        proposed, expected = restored.propose(context[:end], 12), same.propose(context[:end], 12)
+        assert (proposed.tokens, proposed.parents) == (expected.tokens, expected.parents)
+        assert proposed.scores == expected.scores
+    loaded = AdedDrafter()
+    loaded.load(path)
+    again = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=loaded, max_new_tokens=30)
+    assert again.token_ids == result.token_ids
+    assert again.stats.mean_accepted_tokens > 1.5
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("aded:iterations=0", "iterations"),
+        ("aded:max_depth=0", "max_depth"),
+        ("aded:rollout_depth=-1", "rollout_depth"),
+        ("aded:paths=0", "paths"),
+        ("aded:cap=0", "cap"),
+        ("aded:learning_rate=-1", "learning_rate"),
+        ("aded:top_k=0", "top_k"),
+        ("aded:copy_length=-1", "copy_length"),
+        ("aded:copy_matches=0", "copy_matches"),
+        ("aded:depth=3", "no option depth"),
+        ("aded:corpus=/no/such/store.npz", "not a readable tri-gram store"),
+    ],
+)
+def test_bad_options_are_refused(spec, message):
+    with pytest.raises(UnsupportedOptionError, match=message):
+        make_drafter(spec)
+
+
+def test_options_reach_the_drafter():
+    drafter = make_drafter("aded:iterations=8,max_depth=3,top_k=4,seed=5")
+    assert isinstance(drafter, AdedDrafter)
+    assert (drafter.iterations, drafter.max_depth, drafter.store.top_k) == (8, 3, 4)
+
+
+# ------------------------------------------------------------------------------------------------- exactness
+
+
+def _cases(seed: int, count: int = 8) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [(repetitive_prompt(rng), rng.randint(20, 36)) for _ in range(count)]
+
+
+def _greedy(model, prompt, max_new_tokens) -> list[int]:
+    return draftwise.generate(model, None, prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens).token_ids
+
+
+def _self_store(model, cases) -> TrigramStore:
+    """The tri-grams of the model's own greedy output after these prompts: a corpus that drafts well."""
+    return count_documents(np.array(prompt + _greedy(model, prompt, new), dtype=np.int32) for prompt, new in cases)
+
+
+def test_greedy_ids_equal_ar(tiny_model):
+    cases = _cases(31)
+    references = [_greedy(tiny_model, prompt, new) for prompt, new in cases]
+    shared = AdedDrafter(seed=3)  # one drafter across requests: the store keeps adapting
+    accepted = 0
+    for (prompt, new), expected in zip(cases, references):
+        fresh = draftwise.generate(tiny_model, None, prompt_ids=prompt, method="aded", max_new_tokens=new)
+        assert fresh.token_ids == expected
+        result = draftwise.generate(tiny_model, None, prompt_ids=prompt, method=shared, max_new_tokens=new, budget=8)
+        assert result.token_ids == expected
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0, "the prompts repeat segments: the adapted store should draft some of them"
+
+
+def test_greedy_ids_equal_ar_with_a_corpus(tiny_model, tmp_path):
+    cases = _cases(47)
+    path = tmp_path / "corpus.npz"
+    _self_store(tiny_model, cases).save(path)
+    method = f"aded:corpus={path},iterations=24,copy_length=0"  # tri-grams only: acceptance comes from the corpus
+    accepted = 0
+    for prompt, new in cases + _cases(48, count=3):
+        expected = _greedy(tiny_model, prompt, new)
+        result = draftwise.generate(tiny_model, None, prompt_ids=prompt, method=method, max_new_tokens=new)
+        assert result.token_ids == expected
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0.5 * sum(new for _, new in cases), "the corpus holds these continuations: most are drafted"
+
+
+def test_short_outputs_and_eos_inside_a_draft(tiny_llama, monkeypatch):
+    """Output lengths 1 and 2 (no room to draft, one step) and an EOS met inside an accepted draft."""
+    drafter = AdedDrafter()
+    drafter.store = _self_store(tiny_llama, [(PROMPT, 30)])
+    for new in (1, 2, 3):
+        result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=new)
+        assert result.token_ids == _greedy(tiny_llama, PROMPT, new)
+    reference = _greedy(tiny_llama, PROMPT, 30)
+    eos = reference[12]
+    monkeypatch.setattr(tiny_llama.generation_config, "eos_token_id", eos)
+    expected = _greedy(tiny_llama, PROMPT, 30)
+    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
+    assert result.token_ids == expected and expected[-1] == eos and len(expected) <= 13
+
+
+@pytest.mark.slow
+def test_real_model_aded_matches_ar(tmp_path):
+    """SmolLM2 with a store counted from a little code and adapted across requests: the ids of plain greedy decoding."""
+    from draftwise.sources import documents, tokenize_documents
+
+    model, tokenizer = draftwise.load_model("smollm2-135m")
+    drafter = AdedDrafter()
+    drafter.store = count_documents(tokenize_documents(tokenizer, documents(["stdlib"]), max_tokens=50_000))
+    accepted = 0
+    for prompt in ("Write a Python function that checks whether a number is prime.", "Explain what a list is."):
+        messages = [{"role": "user", "content": prompt}]
+        expected = draftwise.generate(model, tokenizer, messages, method="ar", max_new_tokens=64)
+        result = draftwise.generate(model, tokenizer, messages, method=drafter, max_new_tokens=64)
+        assert result.token_ids == expected.token_ids
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0

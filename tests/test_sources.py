@@ -295,11 +295,11 @@ def test_read_prompt_file_formats(tmp_path):
     records.write_text(
         "\n".join(
             json.dumps(record)
-            for record in ({"prompt": "a prompt"}, {"messages": messages}, {"turns": ["turn one", "turn two"]}, "bare")
+            for record in ({"prompt": "a prompt"}, {"messages": messages}, {"turns": ["turn one", "turn two"]})
         )
         + "\n\n"
     )
-    assert read_prompt_file(records) == ["a prompt", messages, "turn one", "bare"]
+    assert read_prompt_file(records) == ["a prompt", messages, "turn one"]
 
 
 def test_read_prompt_file_errors(tmp_path):
@@ -313,11 +313,11 @@ def test_read_prompt_file_errors(tmp_path):
         read_prompt_file(empty)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "fine"}\nnot json\n')
-    with pytest.raises(InvalidRequestError, match="broken.jsonl:2: not JSON"):
+    with pytest.raises(InvalidRequestError, match="broken.jsonl:2: not a prompt row"):
         read_prompt_file(broken)
     shapeless = tmp_path / "shapeless.jsonl"
     shapeless.write_text('{"prompt": "fine"}\n{"question": "?"}\n')
-    with pytest.raises(InvalidRequestError, match="shapeless.jsonl:2: expected a prompt"):
+    with pytest.raises(InvalidRequestError, match="shapeless.jsonl:2: not a prompt row"):
         read_prompt_file(shapeless)
 
 

@@ -42,3 +42,21 @@ class NGramIndex:
             return []
         found = self._positions.get(tuple(tokens[len(tokens) - n :]))
         return found[::-1] if found else []
+
+    def copies(self, tokens: Sequence[int], length: int, limit: int) -> list[tuple[int, tuple[int, ...]]]:
+        """Up to ``limit`` distinct continuations (``length`` tokens at most) of earlier occurrences of the last
+        n-gram of ``tokens``, longest n first, most recent first; each with the ``n`` that matched.
+
+        ``tokens`` must be the sequence this index was extended with."""
+        found: list[tuple[int, tuple[int, ...]]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(self.max_n, self.min_n - 1, -1):
+            for start in self.continuations(tokens, n):
+                continuation = tuple(tokens[start : start + length])
+                if continuation in seen:
+                    continue
+                seen.add(continuation)
+                found.append((n, continuation))
+                if len(found) >= limit:
+                    return found
+        return found

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import default_spec_bench_path
+from .data import default_spec_bench_path, read_prompts
 from .errors import InvalidRequestError
 
 #: File suffixes read as text when walking a folder.
@@ -250,25 +250,8 @@ def read_prompt_file(path: str | Path) -> list[str | list[dict]]:
     path = check_not_benchmark(path)
     if not path.is_file():
         raise InvalidRequestError(f"prompt file {path} does not exist")
-    prompts: list[str | list[dict]] = []
-    if ".jsonl" in path.suffixes:
-        for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InvalidRequestError(f"{path}:{line_number}: not JSON ({error})") from error
-            if isinstance(record, dict) and isinstance(record.get("messages"), list):
-                prompts.append(record["messages"])
-            elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
-                prompts.append(record["prompt"])
-            elif isinstance(record, dict) and record.get("turns"):
-                prompts.append(str(record["turns"][0]))
-            elif isinstance(record, str):
-                prompts.append(record)
-            else:
-                raise InvalidRequestError(f"{path}:{line_number}: expected a prompt, messages or turns")
+    if ".jsonl" in path.suffixes:  # the benchmark's prompt-file format: {"prompt"}, {"messages"} or {"turns"}
+        prompts: list[str | list[dict]] = [prompt.conversation(1) for prompt in read_prompts(path)]
     else:
         prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:

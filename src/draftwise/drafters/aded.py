@@ -226,18 +226,10 @@ class AdedDrafter(Drafter):
         if not self.copy_length:
             return []
         self.index.extend(context)
-        paths: list[tuple[list[float], list[int]]] = []
-        seen: set[tuple[int, ...]] = set()
-        for n in range(self.index.max_n, self.index.min_n - 1, -1):
-            for start in self.index.continuations(context, n):
-                continuation = tuple(context[start : start + self.copy_length])
-                if continuation in seen:
-                    continue
-                seen.add(continuation)
-                paths.append((self._rates(continuation, [("copy", n)] * len(continuation)), list(continuation)))
-                if len(paths) >= self.copy_matches:
-                    return paths
-        return paths
+        return [
+            (self._rates(continuation, [("copy", n)] * len(continuation)), list(continuation))
+            for n, continuation in self.index.copies(context, self.copy_length, self.copy_matches)
+        ]
 
     def _rates(self, tokens: Sequence[int], kinds: Sequence[object]) -> list[float]:
         """Learned acceptance rate of each token of a path (the first path to reach a prefix sets its kind)."""

@@ -60,21 +60,13 @@ class PromptLookupDrafter(Drafter):
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         self.index.extend(context)
         paths: list[tuple[list[float], tuple[int, ...]]] = []
-        seen: set[tuple[int, ...]] = set()
-        self._matched_n = 0
-        for n in range(self.index.max_n, self.index.min_n - 1, -1):
-            for start in self.index.continuations(context, n):
-                continuation = tuple(context[start : start + self._copy_length])
-                if continuation in seen:
-                    continue
-                seen.add(continuation)
-                self._matched_n = self._matched_n or n
-                probabilities = self.acceptance.estimates(self._kind(n), len(continuation))
-                # A further match is an alternative to the earlier ones: only one first token can be right.
-                probabilities[0] *= self.alternative_discount ** len(paths)
-                paths.append((probabilities, continuation))
-                if len(paths) >= self.max_matches:
-                    return DraftTree.from_scored_paths(paths, budget)
+        copies = self.index.copies(context, self._copy_length, self.max_matches)
+        self._matched_n = copies[0][0] if copies else 0
+        for rank, (n, continuation) in enumerate(copies):
+            probabilities = self.acceptance.estimates(self._kind(n), len(continuation))
+            # A further match is an alternative to the earlier ones: only one first token can be right.
+            probabilities[0] *= self.alternative_discount**rank
+            paths.append((probabilities, continuation))
         return DraftTree.from_scored_paths(paths, budget)
 
     def observe(self, outcome: StepOutcome) -> None:

@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=int, default=16, help="most draft nodes per step")
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     gen.add_argument("--stats", action="store_true", help="print statistics to standard error")
-    gen.add_argument("--state", default=None, help="learning drafters (recycling): load state from and save it to this file")
+    gen.add_argument("--state", default=None, help="learning drafters (recycling, aded): load state from and save it to this file")
     _add_sampling_arguments(gen)
     _add_model_arguments(gen)
     gen.set_defaults(handler=cmd_generate)

@@ -62,3 +62,21 @@ def test_acceptance_rates_stay_probabilities():
     for _ in range(50):
         tracker.update(3, attempted=6, accepted=0)
     assert all(0.0 < rate < 1.0 for rate in tracker.estimates(3, 8))
+
+
+def test_a_slow_outlier_does_not_stop_a_row_count_for_good():
+    latency = LatencyModel(prior={1: 1.0, 2: 1.2}, smoothing=0.5)
+    latency.record(1, 0.050)
+    latency.record(2, 4.0)  # one forward slowed by a passing load
+    assert latency.best_size([0.9]) == 0
+    for _ in range(20):  # the engine keeps measuring one-row forwards at the usual speed
+        latency.record(1, 0.050)
+    assert latency.cost(2) < 1.5 * 0.060 * 1.01
+    assert latency.best_size([0.9]) == 1
+
+
+def test_estimates_in_line_with_the_prior_are_left_alone():
+    latency = LatencyModel(prior={1: 1.0, 2: 1.2}, smoothing=0.5)
+    latency.record(2, 0.080)  # dearer than the prior's shape, but within its tolerance
+    latency.record(1, 0.060)
+    assert latency.cost(2) == pytest.approx(0.080)

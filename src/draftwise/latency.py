@@ -24,16 +24,26 @@ class LatencyModel:
     Args:
         prior: relative forward time by row count (interpolated between entries).
         smoothing: weight of a new measurement in the moving average.
+        stale_factor: how far above the prior's shape an estimate may sit before fresh measurements of other row
+            counts pull it back.
     """
 
-    def __init__(self, prior: dict[int, float] | None = None, smoothing: float = 0.25) -> None:
+    def __init__(self, prior: dict[int, float] | None = None, smoothing: float = 0.25, stale_factor: float = 1.5) -> None:
         self.prior = dict(sorted((prior or CPU_PRIOR).items()))
         self.smoothing = smoothing
+        self.stale_factor = stale_factor
         self._seconds: dict[int, float] = {}
 
     def record(self, rows: int, seconds: float) -> None:
+        """Fold in one measured forward. Other row counts whose estimates now look inflated next to it (more than
+        ``stale_factor`` times what the prior's shape predicts from this measurement) are pulled towards that
+        prediction: a forward slowed by a passing load must not stop a row count from ever being tried again."""
         previous = self._seconds.get(rows)
         self._seconds[rows] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        for measured, estimate in self._seconds.items():
+            expected = seconds * self._prior(measured) / self._prior(rows)
+            if estimate > self.stale_factor * expected:
+                self._seconds[measured] = estimate + self.smoothing * (expected - estimate)
 
     def _prior(self, rows: int) -> float:
         keys = list(self.prior)

@@ -248,8 +248,9 @@ class LookaheadDrafter(Drafter):
             if row is None:
                 break  # the tree was cut: columns from here on were not evaluated
             newest_rows.append(row)
-        # Row by row: gathering the rows first would copy them (a vocabulary-wide copy per row costs more).
-        newest = [int(greedy_choice(outcome.logits[row])) for row in newest_rows]
+        # One reduction over every row beats gathering the few needed ones (a copy of vocabulary-wide rows).
+        choices = greedy_choice(outcome.logits).tolist() if newest_rows else []
+        newest = [choices[row] for row in newest_rows]
         for ngram in harvest(window, root, newest):
             self.pool.add(ngram)
         self._context = outcome.context

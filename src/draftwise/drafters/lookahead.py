@@ -172,9 +172,9 @@ class LookaheadDrafter(Drafter):
 
     The tree of a step has ``(window - 1) + window * (levels - 1)`` lookahead nodes (fewer when chains coincide)
     and up to ``guess_set * levels`` verification nodes, the verification branch first and the window's columns
-    left to right, so a budget cut drops the furthest columns first. The defaults fit the engine's default budget
-    of 16 nodes; the published defaults (n-gram size N = 5, W = 7, G = 7: ``levels=4, window=7, guess_set=7``) need a
-    budget of about 55.
+    left to right, so a budget cut drops the furthest columns first. The defaults (7 nodes) are sized for a CPU,
+    where every extra row of the forward costs time; the published defaults (n-gram size N = 5, W = 7, G = 7:
+    ``window=7, levels=4, guess_set=7``) assume rows are nearly free, as on a GPU, and need a budget of about 55.
 
     Args:
         window: columns of the window (W), i.e. how many future positions are iterated.
@@ -188,9 +188,9 @@ class LookaheadDrafter(Drafter):
 
     def __init__(
         self,
-        window: int = 5,
+        window: int = 2,
         levels: int = 2,
-        guess_set: int = 3,
+        guess_set: int = 2,
         context_ngrams: bool = True,
         seed: int = 0,
     ) -> None:

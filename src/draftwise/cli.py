@@ -250,31 +250,16 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_datastore(args: argparse.Namespace) -> int:
     """Build a REST datastore from corpus sources (and optionally the model's own answers to some prompts)."""
-    import itertools
     import time
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .datastore import Datastore, gather_tokens, tokenizer_identity
-    from .sources import documents, read_prompt_file, self_generated_documents, source_documents
 
-    if args.max_tokens <= 0 or args.max_new_tokens <= 0:
-        raise DraftwiseError("--max-tokens and --max-new-tokens must be positive")
-    if not args.sources and args.self_generate is None:
-        raise DraftwiseError("give at least one source (a path, stdlib, package-docs or sharegpt) or --self-generate")
-    for spec in args.sources:
-        source_documents(spec)  # refuses unknown and benchmark sources before any slow work
-    prompts = read_prompt_file(args.self_generate) if args.self_generate is not None else []
     console = Console(stderr=True)
     started = time.perf_counter()
-    model, tokenizer = _load(args)
-    if tokenizer is None:
-        raise DraftwiseError(f"{args.model} has no tokenizer to build a datastore with")
-    texts = itertools.chain(
-        self_generated_documents(model, tokenizer, prompts, args.max_new_tokens) if prompts else (),
-        documents(args.sources) if args.sources else (),
-    )
+    _, tokenizer, texts = _corpus_texts(args)
     with Progress(
         TextColumn("tokenizing"), BarColumn(), TextColumn("{task.completed:,} / {task.total:,} tokens"),
         TimeElapsedColumn(), console=console,

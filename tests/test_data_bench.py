@@ -320,6 +320,10 @@ def test_select_with_seed_and_categories(question_file):
     assert ids(data.select_prompts(everything, None, None, ["qa", "translation"])) == [4, 6, 8, 9]
     with pytest.raises(InvalidRequestError, match="unknown category nope; available: mt_bench"):
         data.select_prompts(everything, categories=["nope"])
+    # An MT-Bench sub-category named on its own is a task of its own.
+    chosen = data.select_prompts(everything, None, None, ["math", "qa", "writing"])
+    assert [(prompt.question_id, prompt.category) for prompt in chosen] == [
+        (1, "writing"), (2, "writing"), (7, "writing"), (5, "math"), (9, "qa")]
 
 
 def test_load_dataset_choices(question_file):

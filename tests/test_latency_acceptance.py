@@ -42,16 +42,32 @@ def test_best_size_maximises_expected_tokens_per_second():
 
 
 def test_acceptance_tracker_prior_and_updates():
-    tracker = AcceptanceTracker(prior_weight=4.0, max_depth=3)
-    assert tracker.estimates("k", 4) == pytest.approx([PRIOR_MEANS[0], PRIOR_MEANS[1], PRIOR_MEANS[2], PRIOR_MEANS[2]])
+    tracker = AcceptanceTracker(prior_weight=4.0, pooled_weight=2.0, max_depth=3, prior_means=(0.3, 0.6, 0.8))
+    assert tracker.estimates("k", 4) == pytest.approx([0.3, 0.6, 0.8, 0.8])
     tracker.update("k", attempted=2, accepted=1)
-    assert tracker.rate("k", 1) == pytest.approx((1 + 4 * PRIOR_MEANS[0]) / (1 + 4))
-    assert tracker.rate("k", 2) == pytest.approx((0 + 4 * PRIOR_MEANS[1]) / (1 + 4))
-    assert tracker.rate("k", 3) == pytest.approx(PRIOR_MEANS[2])
-    assert tracker.rate("other", 1) == pytest.approx(PRIOR_MEANS[0])  # kinds are separate
+    pooled_1 = (1 + 2 * 0.3) / (1 + 2)
+    pooled_2 = (0 + 2 * 0.6) / (1 + 2)
+    assert tracker.pooled_rate(1) == pytest.approx(pooled_1)
+    assert tracker.rate("k", 1) == pytest.approx((1 + 4 * pooled_1) / (1 + 4))
+    assert tracker.rate("k", 2) == pytest.approx((0 + 4 * pooled_2) / (1 + 4))
+    assert tracker.rate("k", 3) == pytest.approx(0.8)
+    # An unseen kind borrows every kind's rate at that depth, but its own outcomes dominate once it has some.
+    assert tracker.rate("other", 1) == pytest.approx(pooled_1)
     tracker.update("k", attempted=5, accepted=5)  # depths past max_depth share its counts
-    assert tracker.rate("k", 3) == pytest.approx((3 + 4 * PRIOR_MEANS[2]) / (3 + 4))
+    pooled_3 = (3 + 2 * 0.8) / (3 + 2)
+    assert tracker.rate("k", 3) == pytest.approx((3 + 4 * pooled_3) / (3 + 4))
     assert tracker.rate("k", 9) == tracker.rate("k", 3)
+    for _ in range(40):
+        tracker.update("other", attempted=1, accepted=0)
+    assert tracker.rate("other", 1) < 0.1 < tracker.rate("k", 1)
+
+
+def test_acceptance_tracker_default_prior_grows_with_depth():
+    tracker = AcceptanceTracker()
+    assert tracker.estimates("k", 3) == pytest.approx(list(PRIOR_MEANS[:3]))
+    assert list(PRIOR_MEANS) == sorted(PRIOR_MEANS)
+    with pytest.raises(ValueError):
+        AcceptanceTracker(prior_means=(1.5,))
 
 
 def test_acceptance_rates_stay_probabilities():

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import draftwise
+from draftwise.acceptance import PRIOR_MEANS
 from draftwise import cli
 from draftwise.data import default_spec_bench_path
 from draftwise.datastore import (
@@ -255,8 +256,9 @@ def test_tree_is_the_most_frequent_continuations_with_scores():
     paths = {tuple(tree.tokens[node] for node in tree.path_to(index)): tree.scores[index] for index in range(len(tree))}
     assert (1, 2, 3) in paths and (1, 5, 9) in paths and (6,) in paths
     # Scores follow the continuation shares: "1" continues 8 of 9 occurrences, "6" one; "1 2" 6 of those 8.
-    assert paths[(1,)] == pytest.approx(8 / 9 * 0.35) and paths[(6,)] == pytest.approx(1 / 9 * 0.35)
-    assert paths[(1, 2)] == pytest.approx(paths[(1,)] * 6 / 8 * 0.6)
+    first, second = PRIOR_MEANS[:2]  # nothing learned yet: the acceptance prior
+    assert paths[(1,)] == pytest.approx(8 / 9 * first) and paths[(6,)] == pytest.approx(1 / 9 * first)
+    assert paths[(1, 2)] == pytest.approx(paths[(1,)] * 6 / 8 * second)
     small = drafter.propose((4, 9, 8), 3)
     assert len(small) == 3 and small.scores == tuple(sorted(small.scores, reverse=True))
 

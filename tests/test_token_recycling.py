@@ -39,9 +39,9 @@ def test_proposals_respect_budget_and_scores(tiny_llama):
     tree = drafter.propose(PROMPT, 5)
     assert 0 < len(tree) <= 5
     assert tree.scores is not None and all(0 < score <= 1 for score in tree.scores)
-    # The root's children are the recycled top-k of the last token, in rank order.
+    # The root's children come from the recycled top-k of the last token (which ranks, the learned rates decide).
     children = [tree.tokens[node] for node, parent in enumerate(tree.parents) if parent == -1]
-    assert children == [int(token) for token in drafter.matrix[PROMPT[-1]][: len(children)]]
+    assert children and set(children) <= {int(token) for token in drafter.matrix[PROMPT[-1]]}
 
 
 def test_state_round_trip(tiny_llama, tmp_path):

@@ -365,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--per-category", type=int, default=5)
     bench.add_argument("--seed-prompts", type=int, default=None,
                        help="sample each category's prompts with this seed (default: the first ones)")
-    bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    bench.add_argument(
+        "--categories", default=None, help="comma-separated categories (or MT-Bench sub-categories: coding, math, ...) to keep"
+    )
     bench.add_argument("--turns", choices=["1", "2", "both"], default="1",
                        help="user turns to measure; later turns follow ar's answer to the first (default 1)")
     bench.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (first turns only)")

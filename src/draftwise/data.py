@@ -19,7 +19,7 @@ import json
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +160,20 @@ def select_prompts(
     """``per_category`` prompts of each category (all when ``None``), categories in order of first appearance.
 
     Sub-categories of a category are taken in turn so that a small sample covers them all; within each one, the
-    first prompts in file order, or a random sample when ``seed`` is given. ``categories`` keeps only those.
+    first prompts in file order, or a random sample when ``seed`` is given. ``categories`` keeps only those; a
+    sub-category named there (MT-Bench's ``coding``) is kept, and reported, as a task of its own.
     """
+    prompts = list(prompts)
+    if categories:
+        # A sub-category named on its own (MT-Bench's "coding", "math", ...) becomes a task of its own.
+        wanted = set(categories)
+        top_level = {prompt.category for prompt in prompts}
+        prompts = [
+            replace(prompt, category=prompt.subcategory)
+            if prompt.subcategory in wanted and prompt.category not in wanted and prompt.subcategory not in top_level
+            else prompt
+            for prompt in prompts
+        ]
     by_category: dict[str, dict[str, list[Prompt]]] = defaultdict(lambda: defaultdict(list))
     for prompt in prompts:
         by_category[prompt.category][prompt.subcategory].append(prompt)

@@ -203,3 +203,15 @@ def test_real_model_humaneval(tmp_path):
     assert [(record.method, record.question_id) for record in records] == [("ar", "HumanEval/0"),
                                                                            ("pld", "HumanEval/0")]
     assert records[0].token_ids == records[1].token_ids
+
+
+@pytest.mark.parametrize(("row", "label"), [
+    ("pld:max_ngram=3", "pld:max_ngram=3"),
+    ("rest:datastore=results/rest-docs.npz", "rest:datastore=rest-docs.npz"),
+    ("aded:corpus=/data/corpora/chat.npz,top_k=8", "aded:corpus=chat.npz,top_k=8"),
+    ("hf-pld", "hf-pld"),
+])
+def test_chart_labels_shorten_paths(row, label):
+    from draftwise.plots import short_label
+
+    assert short_label(row) == label

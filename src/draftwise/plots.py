@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -16,23 +17,33 @@ def _save(figure: Figure, path: str | Path) -> Path:
     return path
 
 
+def short_label(row: str) -> str:
+    """A row's label for a legend: option values that are file paths shortened to the file's name."""
+    return re.sub(r"=([^,;=]*[/\\])([^,;/\\=]+)", r"=\2", row)
+
+
+def _legend(axes) -> None:
+    """The legend beside the plot, where it never hides a bar."""
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
 def _bar_width(series: int) -> float:
     return 0.8 / max(series, 1)
 
 
 def speedup_chart(speedups: Mapping[str, Mapping[str, float]], categories: Sequence[str], path: str | Path) -> Path:
     """Grouped bars: for each category, each row's speedup over ``ar`` (``speedups[row][category]``)."""
-    figure = Figure(figsize=(max(6.0, 1.2 * len(categories) * max(len(speedups), 1) ** 0.5 + 3), 4.5))
+    figure = Figure(figsize=(min(16.0, max(7.0, 0.18 * len(categories) * max(len(speedups), 1) + 4)), 4.5))
     axes = figure.subplots()
     width = _bar_width(len(speedups))
     for index, (row, values) in enumerate(speedups.items()):
         offsets = [position + (index - (len(speedups) - 1) / 2) * width for position in range(len(categories))]
-        axes.bar(offsets, [values.get(category, 0.0) for category in categories], width, label=row)
+        axes.bar(offsets, [values.get(category, 0.0) for category in categories], width, label=short_label(row))
     axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     axes.set_xticks(range(len(categories)), categories, rotation=20, ha="right")
     axes.set_ylabel("speedup over ar (total tokens / total time)")
     axes.set_title("Speedup by category")
-    axes.legend(fontsize="small")
+    _legend(axes)
     return _save(figure, path)
 
 
@@ -40,19 +51,19 @@ def acceptance_length_chart(histograms: Mapping[str, Sequence[int]], path: str |
     """Grouped bars: share of steps that emitted n tokens, per row (``histograms[row][n]`` counts steps)."""
     longest = max((len(histogram) for histogram in histograms.values()), default=2) - 1
     lengths = list(range(1, max(longest, 1) + 1))
-    figure = Figure(figsize=(max(6.0, 0.45 * len(lengths) * max(len(histograms), 1) + 2), 4.5))
+    figure = Figure(figsize=(min(16.0, max(7.0, 0.12 * len(lengths) * max(len(histograms), 1) + 4)), 4.5))
     axes = figure.subplots()
     width = _bar_width(len(histograms))
     for index, (row, histogram) in enumerate(histograms.items()):
         steps = sum(histogram) or 1
         shares = [(histogram[length] if length < len(histogram) else 0) / steps for length in lengths]
         offsets = [length + (index - (len(histograms) - 1) / 2) * width for length in lengths]
-        axes.bar(offsets, shares, width, label=row)
+        axes.bar(offsets, shares, width, label=short_label(row))
     axes.set_xticks(lengths)
     axes.set_xlabel("tokens accepted in a step (bonus token included)")
     axes.set_ylabel("share of steps")
     axes.set_title("Accepted length per step")
-    axes.legend(fontsize="small")
+    _legend(axes)
     return _save(figure, path)
 
 
@@ -65,7 +76,7 @@ def budget_chart(
     axes = figure.subplots()
     for method, points in series.items():
         ordered = sorted(points)
-        axes.plot([budget for budget, _ in ordered], [rate for _, rate in ordered], marker="o", label=method)
+        axes.plot([budget for budget, _ in ordered], [rate for _, rate in ordered], marker="o", label=short_label(method))
     for name, rate in baselines.items():
         axes.axhline(rate, linestyle="--", linewidth=0.9, color="grey")
         axes.annotate(name, (0, rate), xycoords=("axes fraction", "data"), fontsize="small", va="bottom")
@@ -77,5 +88,5 @@ def budget_chart(
     axes.set_xlabel("draft budget (most draft nodes per step)")
     axes.set_ylabel("tokens/s")
     axes.set_title("Speed against draft budget")
-    axes.legend(fontsize="small")
+    _legend(axes)
     return _save(figure, path)

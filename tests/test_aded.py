@@ -402,7 +402,7 @@ def tree_paths(tree) -> set[tuple[int, ...]]:
 def test_drafts_follow_the_learned_sequence():
     """Pure tri-gram drafting: nothing before anything is learned, the learned sequence after."""
     sequence = [11, 12, 13, 14, 15, 16, 17, 18]
-    drafter = AdedDrafter(copy_length=0)
+    drafter = AdedDrafter(copy_length=0, recycle_top_k=0)
     assert len(drafter.propose(sequence * 2, 16)) == 0  # nothing learned yet (and copying is off)
     drafter.reset(sequence * 3)  # the prompt's tri-grams
     tree = drafter.propose(tuple(sequence * 3 + sequence[:2]), 16)
@@ -425,7 +425,7 @@ def test_copies_of_earlier_occurrences_join_the_tree():
 
 
 def test_learns_online_from_an_empty_store(tiny_llama):
-    drafter = AdedDrafter(copy_length=0)  # tri-grams only: what is drafted was learned
+    drafter = AdedDrafter(copy_length=0, recycle_top_k=0)  # tri-grams only: what is drafted was learned
     assert len(drafter.propose(PROMPT, 16)) == 0
     first = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
     assert len(drafter.store) > 0
@@ -438,6 +438,20 @@ def test_learns_online_from_an_empty_store(tiny_llama):
     tree = drafter.propose(context, 16)
     first_level = [tree.tokens[node] for node, parent in enumerate(tree.parents) if parent == -1]
     assert first.token_ids[10] in first_level
+
+
+def test_recycled_predictions_join_the_tree(tiny_llama):
+    drafter = AdedDrafter(copy_length=0, context_rate=0, learning_rate=0)  # the tri-gram store never learns
+    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
+    assert len(drafter.store) == 0 and (drafter.recycled.matrix >= 0).any()
+    # What is drafted now comes from the model's recycled top-k only: the root's children are among them.
+    context = tuple(PROMPT + result.token_ids[:10])
+    root = context[-1]
+    tree = drafter.propose(context, 16)
+    children = [tree.tokens[node] for node, parent in enumerate(tree.parents) if parent == -1]
+    assert children and set(children) <= set(drafter.recycled.successors_of(root))
+    assert all(kind[0] == "recycled" for kind in drafter._kind_of_path.values())
+    assert len(AdedDrafter(recycle_top_k=0, copy_length=0, context_rate=0).propose(context, 16)) == 0
 
 
 def test_a_step_without_a_proposal_learns_its_own_pair(tiny_llama):
@@ -455,9 +469,11 @@ def test_state_round_trip(tiny_llama, tmp_path):
     restored = AdedDrafter(corpus=str(path))
     assert np.array_equal(restored.store.keys, drafter.store.keys)
     assert np.array_equal(restored.store.tokens, drafter.store.tokens)
-    # A fresh drafter on the saved store proposes exactly what a fresh drafter on the original store does.
+    assert np.array_equal(restored.recycled.matrix, drafter.recycled.matrix)
+    # A fresh drafter on the saved state proposes exactly what a fresh drafter on the original state does.
     same = AdedDrafter()
     same.store = drafter.store
+    same.recycled = drafter.recycled
     context = PROMPT + result.token_ids
     for end in range(len(PROMPT), len(context)):
         proposed, expected = restored.propose(context[:end], 12), same.propose(context[:end], 12)
@@ -482,6 +498,8 @@ def test_state_round_trip(tiny_llama, tmp_path):
         ("aded:top_k=0", "top_k"),
         ("aded:copy_length=-1", "copy_length"),
         ("aded:copy_matches=0", "copy_matches"),
+        ("aded:recycle_top_k=-1", "recycle_top_k"),
+        ("aded:recycle_depth=0", "recycle_depth"),
         ("aded:depth=3", "no option depth"),
         ("aded:corpus=/no/such/store.npz", "not a readable tri-gram store"),
     ],

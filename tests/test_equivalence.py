@@ -571,8 +571,9 @@ def test_row_efficient_linear_matches_linear():
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 24)
     fast = RowEfficientLinear(linear)
-    for rows in (1, 2, 7, 32, 33, 80):
-        inputs = torch.randn(1, rows, 16)
+    # Every padded row count (see kernels.PAD_TO), both sides of each threshold, and a batch of several sequences.
+    for shape in [(1, rows, 16) for rows in (*range(1, 18), 32, 33, 80)] + [(3, 4, 16), (2, 7, 16)]:
+        inputs = torch.randn(*shape)
         output = fast(inputs)
         torch.testing.assert_close(output, linear(inputs), atol=1e-5, rtol=1e-5)
         # Strided outputs would slow every later op and push attention off its fused kernel.

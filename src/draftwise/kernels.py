@@ -9,7 +9,10 @@ Two details matter as much as the kernel choice. The transposed product must be 
 every later elementwise op runs on strided memory and ``scaled_dot_product_attention`` falls back from its fused
 kernel to the unfused one (a 2-row SmolLM2 forward at 1500 cached tokens cost 90 ms instead of 52). And a single row
 is best computed as two: the matrix-vector kernel streams weights from memory at about 13 GB/s on this kind of
-machine, the two-row product at about 22 GB/s (a one-row SmolLM2 forward: 56 ms -> 47 ms).
+machine, the two-row product at about 22 GB/s (a one-row SmolLM2 forward: 56 ms -> 47 ms). For the same reason some
+row counts are padded up: MKL's skinny products cost about one extra row's weight pass per row beyond a multiple of 8
+(a whole SmolLM2's products: 4 rows 29 ms, 7 rows 53, 8 rows 48, 12 rows 84, 16 rows 66), so 3 rows run as 4, 7 as 8
+and 10 to 15 as 16 (a 3-row forward: 59 ms -> 51 ms; 12 rows: 97 ms -> 90 ms).
 
 :func:`use_row_efficient_linear` swaps a model's ``nn.Linear`` modules for :class:`RowEfficientLinear`, which shares
 the same parameters (the state dict is unchanged) and takes the faster route for few rows. It is applied by
@@ -22,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Up to this many rows ``(W @ x.T).T`` gave the fastest whole SmolLM2 forwards (thresholds 4, 8 and 16 measured; 8 won
-#: at 5-6 rows and tied at 8), although ``F.linear`` can win a single layer at 8 rows.
-FEW_ROWS = 8
+#: Up to this many rows ``(W @ x.T).T`` (with :data:`PAD_TO`) gave the fastest whole SmolLM2 forwards (thresholds 8, 16
+#: and 32 measured; 16 won at 9 to 16 rows and tied below).
+FEW_ROWS = 16
 #: Up to this many rows it still wins for wide output layers (the vocabulary head); above, GEMM is as fast.
 SMALL_ROWS = 32
+#: Row counts computed as a larger count (copies of the first row fill the gap): cheaper whole, measured.
+PAD_TO = {1: 2, 3: 4, 7: 8, 10: 16, 11: 16, 12: 16, 13: 16, 14: 16, 15: 16}
 
 
 class RowEfficientLinear(nn.Module):
@@ -46,10 +51,11 @@ class RowEfficientLinear(nn.Module):
         if rows > (SMALL_ROWS if wide else FEW_ROWS) or inputs.device.type != "cpu":
             return F.linear(inputs, self.weight, self.bias)
         flat = inputs.reshape(rows, self.in_features)
-        if rows == 1:
-            # The one-row product (a matrix-vector kernel) streams the weight at about half the speed of the
-            # two-row matrix product, so a single row is computed as two identical ones.
-            flat = flat.expand(2, -1).contiguous()
+        padded = PAD_TO.get(rows, rows)
+        if padded != rows:
+            # One row runs as two (the matrix-vector kernel streams weights slower than the two-row product), and
+            # a few other counts as the next multiple of 8 or 4: see the module notes.
+            flat = torch.cat([flat, flat[:1].expand(padded - rows, -1)])
         # Contiguous rows: a transposed result would make every later elementwise op and attention strided (and
         # push scaled_dot_product_attention off its fused kernel), costing more than this copy.
         output = torch.mm(self.weight, flat.t())[:, :rows].t().contiguous()

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 #: Relative forward time by rows, measured on a 2-core AVX2 CPU (SmolLM2-135M, float32, 400 cached tokens, with
 #: :mod:`draftwise.kernels`' linear layers). Only a starting point: measured times replace it as soon as each row count
 #: has been seen.
-CPU_PRIOR: dict[int, float] = {1: 1.0, 2: 1.0, 3: 1.2, 4: 1.07, 5: 1.25, 6: 1.45, 8: 1.6, 10: 2.0, 12: 2.05,
-                               16: 2.05, 24: 2.45, 32: 2.75, 48: 3.9, 64: 4.9}
+CPU_PRIOR: dict[int, float] = {1: 1.0, 2: 1.0, 3: 1.09, 4: 1.05, 5: 1.25, 6: 1.45, 7: 1.57, 8: 1.52, 9: 1.8, 10: 1.9,
+                               16: 1.9, 24: 2.5, 32: 2.9, 48: 3.9, 64: 4.9}
 
 
 class LatencyModel:

@@ -12,7 +12,7 @@ a certainty); online updates add to them (capped), and :meth:`TrigramStore.row` 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -94,7 +94,9 @@ class TrigramStore:
 
     def add(self, a: int, b: int, c: int, amount: float, cap: float = 3.0) -> None:
         """Raise the weight of ``c`` after ``(a, b)``, and after ``b`` alone, by ``amount`` (at most ``cap``); a new
-        successor displaces the weakest one when a row is full."""
+        successor displaces the weakest one when a row is full. A non-positive ``amount`` changes nothing."""
+        if amount <= 0:
+            return  # a zero-weight successor would make a row's probabilities undefined
         self._add(pack_pair(a, b), c, amount, cap)
         self._add(pack_pair(BACKOFF, b), c, amount, cap)
 
@@ -122,6 +124,8 @@ class TrigramStore:
 
     def add_sequence(self, tokens: Sequence[int], amount: float, cap: float = 3.0) -> None:
         """Raise every tri-gram of ``tokens``."""
+        if amount <= 0:
+            return
         for index in range(2, len(tokens)):
             self.add(tokens[index - 2], tokens[index - 1], tokens[index], amount, cap)
 
@@ -180,10 +184,14 @@ class TrigramStore:
         store.merge()  # applies the bound
         return store
 
-    def save(self, path: str | os.PathLike, **metadata: str | int) -> None:
-        """Write the store as a numpy ``.npz`` (no pickles); ``metadata`` (e.g. the tokenizer) is kept beside it."""
+    def save(
+        self, path: str | os.PathLike, arrays: Mapping[str, np.ndarray] | None = None, **metadata: str | int
+    ) -> None:
+        """Write the store as a numpy ``.npz`` (no pickles); ``metadata`` (e.g. the tokenizer) and further named
+        ``arrays`` (a drafter's other state, read back by :meth:`load_array`) are kept beside it."""
         self.merge()
         extra = {f"meta_{key}": np.asarray(value) for key, value in metadata.items()}
+        extra.update({f"array_{key}": np.asarray(value) for key, value in (arrays or {}).items()})
         with open(path, "wb") as handle:  # an explicit handle keeps numpy from appending ".npz"
             np.savez(
                 handle, format=np.asarray(FORMAT), keys=self.keys, tokens=self.tokens, weights=self.weights,
@@ -211,6 +219,13 @@ class TrigramStore:
         if store.tokens.shape != (len(store.keys), store.top_k) or store.weights.shape != store.tokens.shape:
             raise ValueError(f"{path} is corrupt: array shapes disagree")
         return store, metadata
+
+
+def load_array(path: str | os.PathLike, name: str) -> np.ndarray | None:
+    """The array saved as ``name`` beside a tri-gram store (see :meth:`TrigramStore.save`), ``None`` if absent."""
+    with np.load(path, allow_pickle=False) as data:
+        key = f"array_{name}"
+        return data[key] if key in data.files else None
 
 
 class TrigramCounter:

@@ -13,6 +13,10 @@ by Monte-Carlo tree search for the draft tree most likely to be accepted.
 - Copies: a tri-gram sees only two tokens back, so the continuations of earlier occurrences of the context's last
   2-4 tokens (as prompt lookup finds them) join the searched paths in the same tree; ``copy_length=0`` turns this
   off for pure tri-gram drafts.
+- Recycling (beyond the published method, on by default): the model's own latest top-k predictions after each token (Token
+  Recycling's adjacency matrix, :class:`~draftwise.successors.SuccessorMatrix`) fill a small tree template that joins
+  the same tree. They come free with every verification forward and see what the model did most recently, where the
+  tri-gram counts average over everything; ``recycle_top_k=0`` turns this off.
 - Scores: each node is scored with its learned acceptance rate (per tri-gram probability bucket, or copied n-gram
   length, and depth), so the engine verifies only the part of the tree that pays for itself on this machine.
 """
@@ -28,8 +32,9 @@ import torch
 
 from ..acceptance import AcceptanceTracker
 from ..ngram import NGramIndex
+from ..successors import SuccessorMatrix, rank_template
 from ..tree import ROOT, DraftTree
-from ..trigram import TrigramStore
+from ..trigram import TrigramStore, load_array
 from .base import Drafter, StepOutcome
 
 #: Upper edges of the probability buckets that acceptance is learned per.
@@ -148,6 +153,10 @@ class AdedDrafter(Drafter):
         copy_length: tokens copied after each earlier occurrence of the context's last n-gram (n from 4 down to 2),
             merged into the searched tree as further candidate paths; 0 turns copying off (pure tri-gram drafts).
         copy_matches: occurrences copied at most.
+        recycle_top_k: the model's latest top-k predictions kept per token and drafted from a template beside the
+            search (Token Recycling's source); 0 turns this off (pure tri-gram drafts).
+        recycle_depth, recycle_rank_budget: that template's depth and width (see
+            :func:`~draftwise.successors.rank_template`).
     """
 
     name = "aded"
@@ -157,7 +166,7 @@ class AdedDrafter(Drafter):
         corpus: str | None = None,
         top_k: int = 12,
         max_pairs: int = 4_000_000,
-        iterations: int = 48,
+        iterations: int = 16,
         max_depth: int = 5,
         rollout_depth: int = 4,
         paths: int = 24,
@@ -169,6 +178,9 @@ class AdedDrafter(Drafter):
         seed: int = 0,
         copy_length: int = 12,
         copy_matches: int = 2,
+        recycle_top_k: int = 8,
+        recycle_depth: int = 4,
+        recycle_rank_budget: int = 3,
     ) -> None:
         if iterations < 1 or max_depth < 1 or rollout_depth < 0 or paths < 1:
             raise ValueError("need iterations >= 1, max_depth >= 1, rollout_depth >= 0 and paths >= 1")
@@ -176,8 +188,12 @@ class AdedDrafter(Drafter):
             raise ValueError("need learning_rate >= 0, context_rate >= 0 and cap > 0")
         if copy_length < 0 or copy_matches < 1:
             raise ValueError("need copy_length >= 0 and copy_matches >= 1")
+        if recycle_top_k < 0 or recycle_depth < 1 or recycle_rank_budget < 0:
+            raise ValueError("need recycle_top_k >= 0, recycle_depth >= 1 and recycle_rank_budget >= 0")
         self.copy_length = copy_length
         self.copy_matches = copy_matches
+        self.recycled = SuccessorMatrix(recycle_top_k) if recycle_top_k else None
+        self.recycle_template = rank_template(recycle_depth, recycle_rank_budget, recycle_top_k) if recycle_top_k else []
         # A tri-gram sees two tokens back; a longer match in the context predicts verbatim repeats far better.
         self.index = NGramIndex(2, 4)
         self.store = TrigramStore(top_k=top_k, max_pairs=max_pairs)
@@ -219,7 +235,26 @@ class AdedDrafter(Drafter):
             lookup, (context[-2], context[-1]), self.iterations, self.max_depth, self.rollout_depth,
             self.c1, self.c2, self.rng,
         )
-        return DraftTree.from_scored_paths([*self._copies(context), *self._searched_paths(found, lookup)], budget)
+        return DraftTree.from_scored_paths(
+            [*self._copies(context), *self._searched_paths(found, lookup), *self._recycled_paths(context)], budget
+        )
+
+    def _recycled_paths(self, context: Sequence[int]) -> list[tuple[list[float], list[int]]]:
+        """The recycled-prediction template below the context's last token, as leaf paths (kind: rank)."""
+        if self.recycled is None:
+            return []
+        nodes = self.recycled.fill(context[-1], self.recycle_template)
+        has_child = {parent for _, _, parent in nodes}
+        paths = []
+        for leaf in (node for node in range(len(nodes)) if node not in has_child):
+            tokens, kinds = [], []
+            node = leaf
+            while node != ROOT:
+                ranks, token, node = nodes[node]
+                tokens.append(token)
+                kinds.append(("recycled", ranks[-1]))
+            paths.append((self._rates(tokens[::-1], kinds[::-1]), tokens[::-1]))
+        return paths
 
     def _copies(self, context: Sequence[int]) -> list[tuple[list[float], list[int]]]:
         """What followed earlier occurrences of the context's last n-gram, longest n-grams first."""
@@ -267,11 +302,17 @@ class AdedDrafter(Drafter):
         previous = outcome.previous or self._context
         root = outcome.root if outcome.root is not None else previous[-1]
         before = previous[-2] if len(previous) >= 2 else None
-        predictions = torch.argmax(outcome.logits[: len(tree) + 1].float(), dim=-1).tolist()
         # The last two tokens of every row: the root's, then each node's along its path.
         pairs: list[tuple[int | None, int]] = [(before, root)]
         for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             pairs.append((pairs[parent + 1][1], token))
+        rows = outcome.logits[: len(tree) + 1]
+        if self.recycled is not None:
+            top = SuccessorMatrix.top_tokens(rows, self.recycled.top_k)
+            self.recycled.record([b for _, b in pairs], top, rows.shape[-1])
+            predictions = top[:, 0].tolist()
+        else:
+            predictions = torch.argmax(rows.float(), dim=-1).tolist()
         for (a, b), prediction in zip(pairs, predictions):
             if a is not None:
                 self.store.add(a, b, prediction, self.learning_rate, self.cap)
@@ -301,9 +342,13 @@ class AdedDrafter(Drafter):
             prefix = (*prefix, tree.tokens[chosen])
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the adapted store (numpy ``.npz``, the format of ``draftwise corpus build``)."""
-        self.store.save(path)
+        """Write the adapted store and the recycled predictions (numpy ``.npz``, the format of ``draftwise corpus
+        build`` with one more array)."""
+        self.store.save(path, arrays={"recycled": self.recycled.matrix} if self.recycled is not None else None)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Replace the store with a saved one (a corpus or a saved state)."""
+        """Replace the store with a saved one (a corpus or a saved state, which brings its recycled predictions)."""
         self.store, _ = TrigramStore.load(path)
+        recycled = load_array(path, "recycled") if self.recycled is not None else None
+        if recycled is not None and recycled.ndim == 2 and recycled.shape[1] == self.recycled.top_k:
+            self.recycled.load_matrix(recycled)

@@ -49,7 +49,10 @@ def test_acceptance_tracker_prior_and_updates():
     pooled_2 = (0 + 2 * 0.6) / (1 + 2)
     assert tracker.pooled_rate(1) == pytest.approx(pooled_1)
     assert tracker.rate("k", 1) == pytest.approx((1 + 4 * pooled_1) / (1 + 4))
-    assert tracker.rate("k", 2) == pytest.approx((0 + 4 * pooled_2) / (1 + 4))
+    # Below depth 1 the back-off is the larger of every kind's rate there and this kind's rate one level up.
+    rate_1 = (1 + 4 * pooled_1) / (1 + 4)
+    assert pooled_2 < rate_1
+    assert tracker.rate("k", 2) == pytest.approx((0 + 4 * rate_1) / (1 + 4))
     assert tracker.rate("k", 3) == pytest.approx(0.8)
     # An unseen kind borrows every kind's rate at that depth, but its own outcomes dominate once it has some.
     assert tracker.rate("other", 1) == pytest.approx(pooled_1)
@@ -60,6 +63,19 @@ def test_acceptance_tracker_prior_and_updates():
     for _ in range(40):
         tracker.update("other", attempted=1, accepted=0)
     assert tracker.rate("other", 1) < 0.1 < tracker.rate("k", 1)
+
+
+def test_a_few_failures_do_not_starve_a_good_kinds_deeper_nodes():
+    """Many failing siblings at depth 2 drag every kind's rate there down; a kind that does well at depth 1 keeps
+    that rate as its depth-2 back-off instead, so its deeper nodes are still worth verifying."""
+    tracker = AcceptanceTracker()
+    for _ in range(50):
+        tracker.update("good", attempted=1, accepted=1)
+    for _ in range(30):
+        tracker.update_one("bad", 2, False)
+    tracker.update_one("good", 2, False)
+    assert tracker.pooled_rate(2) < 0.1
+    assert tracker.rate("good", 2) > 0.7
 
 
 def test_acceptance_tracker_default_prior_grows_with_depth():

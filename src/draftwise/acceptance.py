@@ -13,7 +13,8 @@ PRIOR_MEANS = (0.4, 0.65, 0.75, 0.8, 0.85)
 
 
 class AcceptanceTracker:
-    """Beta-smoothed conditional acceptance rate per (source kind, depth), backed off to the rate of all kinds.
+    """Beta-smoothed conditional acceptance rate per (source kind, depth), backed off to the rate of all kinds (or,
+    below depth 1, to the kind's own rate one level up when that is higher).
 
     A (kind, depth) seen only a few times (deep nodes, rare kinds) borrows strength from every kind's outcomes at that
     depth, which are in turn smoothed towards ``prior_means``: an empirical-Bayes estimate that learns a method's
@@ -52,10 +53,19 @@ class AcceptanceTracker:
         return (accepts + self.pooled_weight * self._prior(depth)) / (attempts + self.pooled_weight)
 
     def rate(self, kind: object, depth: int) -> float:
-        """Estimated probability that a token at ``depth`` is accepted given that the ones above it were."""
+        """Estimated probability that a token at ``depth`` is accepted given that the ones above it were.
+
+        Below depth 1 the back-off is the larger of the all-kinds rate and this kind's own rate one level up: the
+        conditional rate grows with depth for every method measured, and backing off to the all-kinds rate alone
+        lets a few failures of other kinds (many low-ranked siblings) push a good kind's deeper nodes below the
+        cost threshold, after which they are never verified and the estimate never recovers.
+        """
         depth = min(depth, self.max_depth)
         accepts, attempts = self._counts.get((kind, depth), (0.0, 0.0))
-        return (accepts + self.prior_weight * self.pooled_rate(depth)) / (attempts + self.prior_weight)
+        back_off = self.pooled_rate(depth)
+        if depth > 1:
+            back_off = max(back_off, self.rate(kind, depth - 1))
+        return (accepts + self.prior_weight * back_off) / (attempts + self.prior_weight)
 
     def estimates(self, kind: object, length: int) -> list[float]:
         """Conditional acceptance estimates for depths 1..length."""

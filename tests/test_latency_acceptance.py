@@ -76,6 +76,15 @@ def test_a_few_failures_do_not_starve_a_good_kinds_deeper_nodes():
     tracker.update_one("good", 2, False)
     assert tracker.pooled_rate(2) < 0.1
     assert tracker.rate("good", 2) > 0.7
+    # Hundreds of failing low-ranked siblings at depth 1 leave a kind with two unlucky failures near the prior, above
+    # the siblings: it is still verified and can show its real rate (it would otherwise sink to a few percent).
+    tracker = AcceptanceTracker()
+    for _ in range(500):
+        tracker.update_one("rank 1", 1, False)
+    tracker.update_one("rank 0", 1, False)
+    tracker.update_one("rank 0", 1, False)
+    assert tracker.rate("rank 0", 1) == pytest.approx(4 * PRIOR_MEANS[0] / 6)
+    assert tracker.rate("rank 0", 1) > 10 * tracker.rate("rank 1", 1)
 
 
 def test_acceptance_tracker_default_prior_grows_with_depth():

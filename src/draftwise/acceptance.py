@@ -13,15 +13,15 @@ PRIOR_MEANS = (0.4, 0.65, 0.75, 0.8, 0.85)
 
 
 class AcceptanceTracker:
-    """Beta-smoothed conditional acceptance rate per (source kind, depth), backed off to the rate of all kinds (or,
-    below depth 1, to the kind's own rate one level up when that is higher).
+    """Beta-smoothed conditional acceptance rate per (source kind, depth), backed off to the larger of the prior and the
+    rate of all kinds (and, below depth 1, of the kind's own rate one level up).
 
     A (kind, depth) seen only a few times (deep nodes, rare kinds) borrows strength from every kind's outcomes at that
-    depth, which are in turn smoothed towards ``prior_means``: an empirical-Bayes estimate that learns a method's
-    depth profile within a few steps instead of waiting for every kind to be tried at every depth.
+    depth when they are better than ``prior_means``: a method whose candidates do well is trusted at once at depths
+    it has not tried yet, while other kinds' failures never sink a kind's estimate below the prior (see :meth:`rate`).
 
     Args:
-        prior_weight: pseudo-observations behind each kind's back-off (all kinds' rate at that depth).
+        prior_weight: pseudo-observations behind each kind's back-off.
         pooled_weight: pseudo-observations behind ``prior_means`` in the all-kinds rate.
         max_depth: depths beyond this share the last depth's counts.
         prior_means: prior mean acceptance by depth (default :data:`PRIOR_MEANS`).
@@ -55,14 +55,15 @@ class AcceptanceTracker:
     def rate(self, kind: object, depth: int) -> float:
         """Estimated probability that a token at ``depth`` is accepted given that the ones above it were.
 
-        Below depth 1 the back-off is the larger of the all-kinds rate and this kind's own rate one level up: the
-        conditional rate grows with depth for every method measured, and backing off to the all-kinds rate alone
-        lets a few failures of other kinds (many low-ranked siblings) push a good kind's deeper nodes below the
-        cost threshold, after which they are never verified and the estimate never recovers.
+        A kind's own outcomes are smoothed towards a back-off: the larger of the prior mean and the all-kinds rate at
+        that depth, and below depth 1 also this kind's own rate one level up when that is higher. Only the drafter's
+        own failures may pull a kind down: backing off to the all-kinds rate alone let many failing low-ranked
+        siblings push a good kind below the cost threshold after a few unlucky steps, after which it was never
+        verified again and its estimate never recovered (Token Recycling's rank-0 candidates fell to 2%).
         """
         depth = min(depth, self.max_depth)
         accepts, attempts = self._counts.get((kind, depth), (0.0, 0.0))
-        back_off = self.pooled_rate(depth)
+        back_off = max(self.pooled_rate(depth), self._prior(depth))
         if depth > 1:
             back_off = max(back_off, self.rate(kind, depth - 1))
         return (accepts + self.prior_weight * back_off) / (attempts + self.prior_weight)

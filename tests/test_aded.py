@@ -591,3 +591,13 @@ def test_real_model_aded_matches_ar(tmp_path):
         assert result.token_ids == expected.token_ids
         accepted += result.stats.accepted_tokens
     assert accepted > 0
+
+
+def test_saved_recycled_state_of_another_width_is_refused(tiny_llama, tmp_path):
+    drafter = AdedDrafter()
+    draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=10)
+    path = tmp_path / "aded.npz"
+    drafter.save(path)
+    with pytest.raises(ValueError, match="successor matrix"):
+        AdedDrafter(recycle_top_k=4).load(path)
+    AdedDrafter(recycle_top_k=0).load(path)  # recycling off: the recycled arrays are not needed

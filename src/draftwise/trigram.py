@@ -124,8 +124,6 @@ class TrigramStore:
 
     def add_sequence(self, tokens: Sequence[int], amount: float, cap: float = 3.0) -> None:
         """Raise every tri-gram of ``tokens``."""
-        if amount <= 0:
-            return
         for index in range(2, len(tokens)):
             self.add(tokens[index - 2], tokens[index - 1], tokens[index], amount, cap)
 
@@ -188,7 +186,7 @@ class TrigramStore:
         self, path: str | os.PathLike, arrays: Mapping[str, np.ndarray] | None = None, **metadata: str | int
     ) -> None:
         """Write the store as a numpy ``.npz`` (no pickles); ``metadata`` (e.g. the tokenizer) and further named
-        ``arrays`` (a drafter's other state, read back by :meth:`load_array`) are kept beside it."""
+        ``arrays`` (a drafter's other state, read back by :func:`load_arrays`) are kept beside it."""
         self.merge()
         extra = {f"meta_{key}": np.asarray(value) for key, value in metadata.items()}
         extra.update({f"array_{key}": np.asarray(value) for key, value in (arrays or {}).items()})
@@ -221,11 +219,10 @@ class TrigramStore:
         return store, metadata
 
 
-def load_array(path: str | os.PathLike, name: str) -> np.ndarray | None:
-    """The array saved as ``name`` beside a tri-gram store (see :meth:`TrigramStore.save`), ``None`` if absent."""
+def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The further arrays saved beside a tri-gram store (see :meth:`TrigramStore.save`), by name."""
     with np.load(path, allow_pickle=False) as data:
-        key = f"array_{name}"
-        return data[key] if key in data.files else None
+        return {key[len("array_"):]: data[key] for key in data.files if key.startswith("array_")}
 
 
 class TrigramCounter:

@@ -34,8 +34,11 @@ from ..acceptance import AcceptanceTracker
 from ..ngram import NGramIndex
 from ..successors import SuccessorMatrix, rank_template
 from ..tree import ROOT, DraftTree
-from ..trigram import TrigramStore, load_array
+from ..trigram import TrigramStore, load_arrays
 from .base import Drafter, StepOutcome
+
+#: Prefix of the recycled predictions' arrays in a saved state.
+RECYCLED = "recycled_"
 
 #: Upper edges of the probability buckets that acceptance is learned per.
 PROBABILITY_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -343,12 +346,15 @@ class AdedDrafter(Drafter):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the adapted store and the recycled predictions (numpy ``.npz``, the format of ``draftwise corpus
-        build`` with one more array)."""
-        self.store.save(path, arrays={"recycled": self.recycled.matrix} if self.recycled is not None else None)
+        build`` with the recycled state's arrays beside it)."""
+        recycled = self.recycled.state() if self.recycled is not None else {}
+        self.store.save(path, arrays={f"{RECYCLED}{name}": array for name, array in recycled.items()})
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace the store with a saved one (a corpus or a saved state, which brings its recycled predictions)."""
         self.store, _ = TrigramStore.load(path)
-        recycled = load_array(path, "recycled") if self.recycled is not None else None
-        if recycled is not None and recycled.ndim == 2 and recycled.shape[1] == self.recycled.top_k:
-            self.recycled.load_matrix(recycled)
+        if self.recycled is not None:
+            arrays = load_arrays(path)
+            recycled = {name[len(RECYCLED):]: array for name, array in arrays.items() if name.startswith(RECYCLED)}
+            if recycled:  # a corpus has none; a saved state of another width is refused by load_state
+                self.recycled.load_state(recycled)

@@ -102,3 +102,21 @@ def test_pair_rows_are_preferred_and_bounded():
     published = SuccessorMatrix(top_k=2)  # pair_capacity=0: single-token rows only, pairs in a file are dropped
     published.load_state(successors.state())
     assert published.pairs == {}
+
+
+@pytest.mark.slow
+def test_recycling_matches_ar_on_spec_bench():
+    """SmolLM2 on one prompt per Spec-Bench task, one drafter (hot start, pair rows) across them: plain greedy ids."""
+    from draftwise.data import load_spec_bench
+
+    model, tokenizer = draftwise.load_model("smollm2-135m")
+    drafter = TokenRecyclingDrafter()
+    steps = {"ar": 0, "recycling": 0}
+    for prompt in load_spec_bench(None, per_category=1):
+        messages = [{"role": "user", "content": prompt.text}]
+        reference = draftwise.generate(model, tokenizer, messages, method="ar", max_new_tokens=64)
+        drafted = draftwise.generate(model, tokenizer, messages, method=drafter, max_new_tokens=64)
+        assert drafted.token_ids == reference.token_ids, f"question {prompt.question_id}"
+        steps["ar"] += reference.stats.steps
+        steps["recycling"] += drafted.stats.steps
+    assert drafter.successors.pairs and steps["recycling"] < steps["ar"]

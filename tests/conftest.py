@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
-
+import torch
 from tiny import CharTokenizer, make_tiny_model
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import CharTokenizer, ChatCharTokenizer, OracleChainDrafter
 
 import draftwise
 from draftwise import cli
@@ -20,8 +21,6 @@ from draftwise.errors import (
     UnknownMethodError,
     UnsupportedOptionError,
 )
-
-from tiny import ChatCharTokenizer, CharTokenizer, OracleChainDrafter
 
 PROMPT = [5, 6, 7, 5, 6, 7, 8]
 
@@ -280,7 +279,7 @@ def test_load_model_unknown_dtype(tmp_path):
 def test_load_model_of_a_saved_tiny_checkpoint(tmp_path, tiny_llama):
     """A transformers checkpoint folder loads (no tokenizer -> None), gets the CPU linear layers, and decodes
     exactly like the model it was saved from."""
-    from draftwise.kernels import RowEfficientLinear
+    from draftwise.backend.kernels import RowEfficientLinear
 
     tiny_llama.save_pretrained(tmp_path / "ckpt")
     model, tokenizer = draftwise.load_model(str(tmp_path / "ckpt"), cache_dir=tmp_path / "cache")

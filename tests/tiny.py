@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 import transformers
 
-from draftwise.drafters.base import Drafter
-from draftwise.tree import DraftTree
+from draftwise.decoding.drafter import Drafter
+from draftwise.decoding.tree import DraftTree
 
 VOCAB = 96
 CONTEXT = 256
@@ -69,12 +69,36 @@ class CharTokenizer:
         return "".join(chr(self.OFFSET + int(token)) for token in ids)
 
 
+class TextTokenizer(CharTokenizer):
+    """A character tokenizer with the parts of the transformers interface a datastore build uses."""
+
+    name_or_path = "text-chars"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.encode_text(text)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(self.OFFSET + token): token for token in range(self.vocab_size)}
+
+
 class ChatCharTokenizer(CharTokenizer):
     chat_template = "{{ messages }}"
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
         text = "".join(f"<{message['role']}>{message['content']}" for message in messages) + "<a>"
         return self.encode_text(text)
+
+
+def brute_force_continuations(tokens, n):
+    """Positions right after earlier occurrences of the last ``n`` tokens, most recent first (the suffix itself
+    excluded): what an n-gram index must answer."""
+    if len(tokens) < n:
+        return []
+    suffix = list(tokens[len(tokens) - n :])
+    return [p for p in range(len(tokens) - 1, n - 1, -1) if list(tokens[p - n : p]) == suffix]
 
 
 def repetitive_prompt(rng: random.Random, vocab: int = VOCAB, low: int = 5, high: int = 40) -> list[int]:
@@ -125,7 +149,7 @@ class ReferenceDrafter(Drafter):
         self.resets = 0
         self.proposals = 0
         self.outcomes = []
-        self.contexts = []  # outcome.context as it was when observed
+        self.contexts = []  # the context after each observed step
 
     def reset(self, prompt: Sequence[int]) -> None:
         assert list(prompt) == self.prompt
@@ -148,7 +172,7 @@ class ReferenceDrafter(Drafter):
 
     def observe(self, outcome) -> None:
         self.outcomes.append(outcome)
-        self.contexts.append(list(outcome.context))
+        self.contexts.append(list(outcome.new_context))
 
 
 class OracleChainDrafter(ReferenceDrafter):

@@ -9,6 +9,8 @@ Quick start::
 """
 
 from .api import GenerationResult, GenerationStream, encode_prompt, generate, stream
+from .decoding.stats import GenerationStats
+from .decoding.tree import DraftTree
 from .drafters import METHODS, Drafter, StepOutcome, make_drafter
 from .errors import (
     DraftwiseError,
@@ -20,8 +22,6 @@ from .errors import (
     UnsupportedOptionError,
 )
 from .models import DEFAULT_MODEL, PRESETS, load_model
-from .stats import GenerationStats
-from .tree import DraftTree
 
 __version__ = "0.1.0"
 

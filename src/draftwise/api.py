@@ -8,14 +8,30 @@ from typing import Any
 
 import torch
 
+from .backend.target import Target, as_target
+from .decoding.engine import DEFAULT_BUDGET, FinishReason, decode
+from .decoding.latency import LatencyModel
+from .decoding.sampling import SamplingParams
+from .decoding.stats import GenerationStats
 from .drafters import Drafter, make_drafter
-from .engine import DEFAULT_BUDGET, FinishReason, context_length, decode
 from .errors import InvalidRequestError, UnsupportedOptionError
-from .latency import LatencyModel
-from .sampling import SamplingParams
-from .stats import GenerationStats
 
 Messages = Sequence[Mapping[str, Any]]
+
+#: The statistics of :meth:`GenerationResult.summary`, with the digits each is rounded to.
+SUMMARY_DIGITS = {
+    "new_tokens": 0,
+    "steps": 0,
+    "mean_accepted_tokens": 3,
+    "drafted_tokens": 0,
+    "accepted_tokens": 0,
+    "acceptance_rate": 3,
+    "acceptance_per_position": 3,
+    "tokens_per_s": 2,
+    "time_to_first_token_s": 4,
+    "time_s": 3,
+    "draft_time_s": 4,
+}
 
 #: Options of :class:`~draftwise.sampling.SamplingParams` accepted as keywords by generate/stream.
 SAMPLING_OPTIONS = (*(option.name for option in fields(SamplingParams)), "do_sample")
@@ -40,6 +56,15 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     method: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        """The method, why generation ended and the main statistics, rounded, as JSON-ready values."""
+        stats = self.stats.to_dict()
+        summary: dict[str, Any] = {"method": self.method, "finish_reason": self.finish_reason}
+        for name, digits in SUMMARY_DIGITS.items():
+            value = stats[name]
+            summary[name] = [round(item, digits) for item in value] if isinstance(value, list) else round(value, digits)
+        return summary
 
 
 def encode_prompt(tokenizer: Any, prompt: str | Messages, chat_template: bool | None = None) -> list[int]:
@@ -135,19 +160,15 @@ def sampling_params(options: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def _check_options(
-    model: torch.nn.Module,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    budget: int,
-) -> None:
+def check_request(limit: int, prompt_ids: Sequence[int], max_new_tokens: int, budget: int = 0) -> None:
+    """Refuse a request the engine cannot serve exactly as asked: no prompt, no room in a context window of
+    ``limit`` positions, a bad ``max_new_tokens`` or ``budget``."""
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(budget, int) or budget < 0:
         raise InvalidRequestError(f"budget must be a non-negative integer, got {budget!r}")
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty")
-    limit = context_length(model)
     if len(prompt_ids) >= limit:
         raise InvalidRequestError(
             f"the prompt has {len(prompt_ids)} tokens but the model's context window is {limit} tokens"
@@ -192,6 +213,7 @@ def stream(
     budget: int = DEFAULT_BUDGET,
     method_options: Mapping[str, Any] | None = None,
     latency: LatencyModel | None = None,
+    sampling: SamplingParams | None = None,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted.
@@ -201,7 +223,7 @@ def stream(
     """
     holder: dict[str, GenerationResult] = {}
     run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-                   method_options, options, latency)
+                   method_options, sampling, options, latency)
 
     def pieces() -> Iterator[str]:
         sent = 0
@@ -233,12 +255,14 @@ def generate(
     budget: int = DEFAULT_BUDGET,
     method_options: Mapping[str, Any] | None = None,
     latency: LatencyModel | None = None,
+    sampling: SamplingParams | None = None,
     **options: Any,
 ) -> GenerationResult:
     """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
 
     Args:
-        model: a transformers causal LM (see :func:`draftwise.load_model`).
+        model: a transformers causal LM (see :func:`draftwise.load_model`), or a
+            :class:`~draftwise.backend.target.Target`.
         tokenizer: its tokenizer.
         prompt: a string, or a list of chat messages (``{"role": ..., "content": ...}``) that go through the chat
             template. Alternatively pass ``prompt_ids``.
@@ -258,6 +282,8 @@ def generate(
             exactly the distribution of plain sampling with the same options; with a fixed ``seed`` a method
             reproduces its own output, but speculative and plain sampling with the same seed may differ token by
             token (they consume the random stream differently). Anything else is refused.
+        sampling: the same options as one :class:`~draftwise.decoding.sampling.SamplingParams` (instead of
+            keywords).
 
     Returns:
         A :class:`GenerationResult` with the text, token ids and statistics.
@@ -269,7 +295,7 @@ def generate(
     """
     holder: dict[str, GenerationResult] = {}
     run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-                   method_options, options, latency)
+                   method_options, sampling, options, latency)
     for _ in _run(run, holder, want_text=False):
         pass
     return holder["result"]
@@ -277,7 +303,7 @@ def generate(
 
 @dataclass
 class _Run:
-    model: torch.nn.Module
+    target: Target
     tokenizer: Any
     prompt_ids: list[int]
     drafter: Drafter
@@ -290,8 +316,32 @@ class _Run:
     sampling: SamplingParams | None = None
 
 
+def make_sampling(sampling: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:
+    """``sampling``, or the sampling options given as keywords (not both)."""
+    if sampling is None:
+        return sampling_params(options)
+    if options:
+        raise UnsupportedOptionError(
+            f"give sampling options either as sampling= or as keywords, not both (got {', '.join(sorted(options))})"
+        )
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    return sampling
+
+
+def resolve_method(method: str | Drafter, method_options: Mapping[str, Any] | None = None) -> tuple[Drafter, str]:
+    """The drafter of ``method`` (a name, a spec with options or a drafter instance) and the method's name."""
+    if isinstance(method, Drafter):
+        if method_options:
+            raise UnsupportedOptionError("method_options apply to a method name, not to a Drafter instance")
+        return method, method.name or type(method).__name__
+    if isinstance(method, str):
+        return make_drafter(method, **dict(method_options or {})), method
+    raise InvalidRequestError(f"method must be a name or a Drafter, got {type(method).__name__}")
+
+
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-             method_options, options, latency) -> _Run:
+             method_options, sampling, options, latency) -> _Run:
     if prompt_ids is None:
         if prompt is None:
             raise InvalidRequestError("give a prompt (string or chat messages) or prompt_ids")
@@ -300,22 +350,15 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         if prompt is not None:
             raise InvalidRequestError("give either prompt or prompt_ids, not both")
         ids = [int(token) for token in prompt_ids]
-    sampling = sampling_params(options)
-    _check_options(model, ids, max_new_tokens, budget)
-    if isinstance(method, Drafter):
-        if method_options:
-            raise UnsupportedOptionError("method_options apply to a method name, not to a Drafter instance")
-        drafter, name = method, method.name or type(method).__name__
-    elif isinstance(method, str):
-        drafter = make_drafter(method, **dict(method_options or {}))
-        name = method
-    else:
-        raise InvalidRequestError(f"method must be a name or a Drafter, got {type(method).__name__}")
+    sampling = make_sampling(sampling, options)
+    target = as_target(model)
+    check_request(target.context_length, ids, max_new_tokens, budget)
+    drafter, name = resolve_method(method, method_options)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if stops and tokenizer is None:
         raise InvalidRequestError("stop sequences need a tokenizer")
     return _Run(
-        model=model,
+        target=target,
         tokenizer=tokenizer,
         prompt_ids=ids,
         drafter=drafter,
@@ -323,7 +366,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         max_new_tokens=max_new_tokens,
         stops=StopSequences(tokenizer, stops) if stops else None,
         budget=budget,
-        eos=eos_token_ids(model, tokenizer),
+        eos=eos_token_ids(target.model, tokenizer),
         latency=latency,
         sampling=sampling,
     )
@@ -335,7 +378,7 @@ def _run(run: _Run, holder: dict[str, GenerationResult], want_text: bool) -> Ite
     output: list[int] = []
     finish_reason = FinishReason.LENGTH
     for event in decode(
-        run.model,
+        run.target,
         run.prompt_ids,
         run.drafter,
         max_new_tokens=run.max_new_tokens,

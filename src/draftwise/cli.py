@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
 
-from .data import DATASETS
+from .bench.prompts import DATASETS
 from .errors import DraftwiseError
 from .models import DEFAULT_MODEL, PRESETS, default_cache_dir, install_preset, is_installed
 
@@ -67,16 +68,12 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .api import stream
-
-    from .drafters import make_drafter
+    from .drafters import make_drafter, restore_state, save_state
 
     prompt = _read_prompt(args)
     drafter = make_drafter(args.method)
     if args.state is not None:
-        if not hasattr(drafter, "load"):
-            raise DraftwiseError(f"method {args.method!r} keeps no state; --state applies to learning drafters")
-        if os.path.exists(args.state):
-            drafter.load(args.state)
+        restore_state(drafter, args.state)
     model, tokenizer = _load(args)
     chat = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
     pieces = stream(
@@ -94,26 +91,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    result = pieces.result
     if args.state is not None:
-        drafter.save(args.state)
+        save_state(drafter, args.state)
     if args.stats:
-        stats = result.stats
-        summary = {
-            "method": result.method,
-            "finish_reason": result.finish_reason,
-            "new_tokens": stats.new_tokens,
-            "steps": stats.steps,
-            "mean_accepted_tokens": round(stats.mean_accepted_tokens, 3),
-            "drafted_tokens": stats.drafted_tokens,
-            "accepted_tokens": stats.accepted_tokens,
-            "acceptance_rate": round(stats.acceptance_rate, 3),
-            "acceptance_per_position": [round(rate, 3) for rate in stats.acceptance_per_position],
-            "tokens_per_s": round(stats.tokens_per_s, 2),
-            "time_to_first_token_s": round(stats.time_to_first_token_s, 4),
-            "time_s": round(stats.time_s, 3),
-        }
-        print(json.dumps(summary, indent=1), file=sys.stderr)
+        print(json.dumps(pieces.result.summary(), indent=1), file=sys.stderr)
     return 0
 
 
@@ -122,113 +103,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .api import sampling_params
-    from .bench import (
-        ResultsWriter,
-        environment,
-        parse_methods,
-        parse_sweep,
-        plan_rows,
-        planned_runs,
-        results_header,
-        run_bench,
-        summarize,
-        validate_methods,
-        write_json,
-    )
-    from .data import load_dataset
-    from .models import load_model
-    from .report import summary_tables
+    from .bench import Benchmark, BenchSettings, parse_methods, parse_sweep, write_json
+    from .bench.report import summary_tables
 
-    if args.max_new_tokens <= 0 or args.per_category is not None and args.per_category <= 0:
-        raise DraftwiseError("--max-new-tokens and --per-category must be positive")
-    if args.repeats < 1:
-        raise DraftwiseError("--repeats must be at least 1")
-    if args.resume and not args.out:
-        raise DraftwiseError("--resume continues a results file: give it with --out")
-    specs = parse_methods(args.methods) + [spec for text in args.method or [] for spec in parse_methods(text)]
-    if args.draft_model and "hf-assisted" not in specs:
-        specs.append("hf-assisted")
-    if "hf-assisted" in specs and not args.draft_model:
-        raise DraftwiseError("hf-assisted needs a draft model: give it with --draft-model")
-    methods = validate_methods(specs)
-    budgets = parse_sweep(args.sweep) if args.sweep else None
-    rows = plan_rows(methods, budgets)
-    turns = {"1": [1], "2": [2], "both": [1, 2]}[args.turns]
-    sampling = sampling_params(_sampling_options(args))
-    categories = args.categories.split(",") if args.categories else None
-    prompts = load_dataset(args.dataset, args.data, args.per_category, args.seed_prompts, categories)
-    if not prompts:
-        raise DraftwiseError("no prompts selected")
+    settings = BenchSettings(
+        methods=parse_methods(args.methods) + [spec for text in args.method or [] for spec in parse_methods(text)],
+        model=args.model,
+        draft_model=args.draft_model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        cache_dir=args.cache_dir,
+        budgets=parse_sweep(args.sweep) if args.sweep else None,
+        dataset=args.dataset,
+        data=args.data,
+        categories=args.categories.split(",") if args.categories else None,
+        per_category=args.per_category,
+        seed_prompts=args.seed_prompts,
+        turns={"1": [1], "2": [2], "both": [1, 2]}[args.turns],
+        repeats=args.repeats,
+        max_new_tokens=args.max_new_tokens,
+        chat_template=not args.no_chat_template,
+        sampling=sampling_params(_sampling_options(args)),
+        out=args.out,
+        resume=args.resume,
+    )
     console = Console(stderr=True)
-    model, tokenizer = _load(args)
-    draft_model = None
-    if args.draft_model:
-        draft_model, _ = load_model(args.draft_model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
-    config = {
-        "model": args.model,
-        "draft_model": args.draft_model,
-        "dtype": args.dtype,
-        "device": args.device,
-        "methods": methods,
-        "rows": [row.label for row in rows],
-        "sweep_budgets": budgets,
-        "dataset": args.dataset,
-        "data": os.path.abspath(args.data) if args.data else None,
-        "categories": categories,
-        "per_category": args.per_category,
-        "seed_prompts": args.seed_prompts,
-        "questions": [prompt.question_id for prompt in prompts],
-        "turns": turns,
-        "repeats": args.repeats,
-        "max_new_tokens": args.max_new_tokens,
-        "chat_template": not args.no_chat_template,
-        "sampling": _sampling_options(args),
-    }
-    env = environment(model, args.model, draft_model=draft_model, draft_model_name=args.draft_model)
-    writer = ResultsWriter.open(args.out, results_header(config, env), args.resume) if args.out else None
-    previous = writer.records if writer else []
+    benchmark = Benchmark.prepare(settings, load_target=lambda: _load(args))
     try:
         with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
         ) as progress:
-            done = sum(1 for record in previous if not record.context_only)
-            task = progress.add_task("warming up", total=planned_runs(prompts, rows, turns, args.repeats), completed=done)
+            task = progress.add_task("warming up", total=benchmark.planned_runs)
 
             def on_progress(label, prompt, rate):
                 description = f"{label:>12} q{prompt.question_id} {prompt.category:<15} {rate:6.1f} tok/s"
                 progress.update(task, advance=1, description=description)
 
-            records = run_bench(
-                model, tokenizer, prompts, methods, args.max_new_tokens, on_progress, sampling=sampling, turns=turns,
-                repeats=args.repeats, budgets=budgets, chat_template=not args.no_chat_template,
-                draft_model=draft_model, previous=previous, on_record=writer.append if writer else None,
-            )
+            records = benchmark.run(on_progress, on_start=lambda done: progress.update(task, completed=done))
     except KeyboardInterrupt:
-        if writer is not None:
+        if args.out:
             console.print(f"interrupted: finished runs are saved in {args.out}; continue with --resume")
         raise
-    finally:
-        if writer is not None:
-            writer.close()
-    summary = summarize(records, [row.label for row in rows])
+    summary = benchmark.summary(records)
     output = Console() if sys.stdout.isatty() else Console(width=200)  # a file or pipe needs no wrapping
     for table in summary_tables(summary):
         output.print(table)
     if args.out:
         console.print(f"runs saved in {args.out} (draftwise report {args.out} --out DIR for a report with charts)")
     if args.json:
-        settings = {**config, "prompts": len(prompts)}
-        write_json(args.json, summary, records, env, settings)
+        write_json(args.json, summary, records, benchmark.environment, {**benchmark.config, "prompts": len(benchmark.prompts)})
         console.print(f"results written to {args.json}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .bench.report import write_report
 
     written = write_report(args.results, args.out)
     print(f"report written to {written[0]}" + (f" with {len(written) - 1} charts" if len(written) > 1 else ""))
@@ -248,90 +178,69 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_datastore(args: argparse.Namespace) -> int:
-    """Build a REST datastore from corpus sources (and optionally the model's own answers to some prompts)."""
-    import time
+def _corpus_texts(args: argparse.Namespace):
+    """Tokenizer and texts of a corpus command's sources, every source checked before anything slow starts."""
+    from .corpus.build import check_sources, corpus_texts
 
-    from rich.console import Console
+    if args.max_tokens <= 0 or args.max_new_tokens <= 0:
+        raise DraftwiseError("--max-tokens and --max-new-tokens must be positive")
+    prompts = check_sources(args.sources, args.self_generate)
+    model, tokenizer = _load(args)
+    return tokenizer, corpus_texts(model, tokenizer, args.sources, prompts, args.max_new_tokens)
+
+
+def _token_progress(console):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .datastore import Datastore, gather_tokens, tokenizer_identity
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,} / {task.total:,} tokens"),
+        TimeElapsedColumn(), console=console,
+    )
+
+
+def cmd_datastore(args: argparse.Namespace) -> int:
+    """Build a REST datastore from corpus sources (and optionally the model's own answers to some prompts)."""
+    from rich.console import Console
+
+    from .corpus.build import write_datastore
 
     console = Console(stderr=True)
     started = time.perf_counter()
-    _, tokenizer, texts = _corpus_texts(args)
-    with Progress(
-        TextColumn("tokenizing"), BarColumn(), TextColumn("{task.completed:,} / {task.total:,} tokens"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:
-        task = progress.add_task("tokens", total=args.max_tokens)
-        pieces = gather_tokens(tokenizer, texts, args.max_tokens, lambda gathered: progress.update(task, completed=gathered))
-    with console.status("sorting suffixes"):
-        datastore = Datastore.from_documents(pieces, **tokenizer_identity(tokenizer))
-        datastore.save(args.out)
-    size = os.path.getsize(args.out) / 1e6
+    tokenizer, texts = _corpus_texts(args)
+    with _token_progress(console) as progress:
+        task = progress.add_task("tokenizing", total=args.max_tokens)
+        datastore = write_datastore(
+            tokenizer, texts, args.out, args.max_tokens,
+            on_progress=lambda gathered: progress.update(task, completed=gathered),
+            on_sorting=lambda: progress.update(task, description="sorting suffixes"),
+        )
     console.print(
-        f"datastore {args.out}: {len(datastore):,} tokens in {datastore.documents:,} pieces, {size:.0f} MB, "
-        f"built in {time.perf_counter() - started:.0f} s"
+        f"datastore {args.out}: {len(datastore):,} tokens in {datastore.documents:,} pieces, "
+        f"{os.path.getsize(args.out) / 1e6:.0f} MB, built in {time.perf_counter() - started:.0f} s"
     )
     return 0
 
 
-def _corpus_texts(args: argparse.Namespace):
-    """Model, tokenizer and the texts of a corpus command's sources (the model's own answers first), with every
-    source checked before anything slow starts."""
-    import itertools
-
-    from .sources import documents, read_prompt_file, self_generated_documents, source_documents
-
-    if args.max_tokens <= 0 or args.max_new_tokens <= 0:
-        raise DraftwiseError("--max-tokens and --max-new-tokens must be positive")
-    if not args.sources and args.self_generate is None:
-        raise DraftwiseError("give at least one source (a path, stdlib, package-docs or sharegpt) or --self-generate")
-    for spec in args.sources:
-        source_documents(spec)  # refuses unknown and benchmark sources before any slow work
-    prompts = read_prompt_file(args.self_generate) if args.self_generate is not None else []
-    model, tokenizer = _load(args)
-    if tokenizer is None:
-        raise DraftwiseError(f"{args.model} has no tokenizer to build a corpus with")
-    texts = itertools.chain(
-        self_generated_documents(model, tokenizer, prompts, args.max_new_tokens) if prompts else (),
-        documents(args.sources) if args.sources else (),
-    )
-    return model, tokenizer, texts
-
-
 def cmd_corpus(args: argparse.Namespace) -> int:
     """Count the tri-grams of corpus sources into a store for ``--method aded:corpus=OUT``."""
-    import time
-
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .sources import tokenize_documents
-    from .trigram import TrigramCounter
+    from .corpus.build import write_trigram_store
 
     if args.top_k <= 0 or args.max_pairs <= 0:
         raise DraftwiseError("--top-k and --max-pairs must be positive")
     console = Console(stderr=True)
     started = time.perf_counter()
-    _, tokenizer, texts = _corpus_texts(args)
-    counter = TrigramCounter()
-    with Progress(
-        TextColumn("counting tri-grams"), BarColumn(), TextColumn("{task.completed:,} / {task.total:,} tokens"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:
-        task = progress.add_task("tokens", total=args.max_tokens)
-        for ids in tokenize_documents(tokenizer, texts, args.max_tokens):
-            counter.add(ids)
-            progress.update(task, completed=counter.tokens_seen)
-    with console.status("keeping the strongest successors"):
-        store = counter.store(top_k=args.top_k, max_pairs=args.max_pairs)
-        store.save(args.out, tokenizer=getattr(tokenizer, "name_or_path", "") or "", tokens=counter.tokens_seen)
-    size = os.path.getsize(args.out) / 1e6
+    tokenizer, texts = _corpus_texts(args)
+    with _token_progress(console) as progress:
+        task = progress.add_task("counting tri-grams", total=args.max_tokens)
+        store, counted = write_trigram_store(
+            tokenizer, texts, args.out, args.max_tokens, args.top_k, args.max_pairs,
+            on_progress=lambda seen: progress.update(task, completed=seen),
+        )
     console.print(
-        f"tri-gram store {args.out}: {counter.tokens_seen:,} tokens counted, {len(store):,} token pairs kept, "
-        f"{size:.0f} MB, built in {time.perf_counter() - started:.0f} s"
+        f"tri-gram store {args.out}: {counted:,} tokens counted, {len(store):,} token pairs kept, "
+        f"{os.path.getsize(args.out) / 1e6:.0f} MB, built in {time.perf_counter() - started:.0f} s"
     )
     return 0
 

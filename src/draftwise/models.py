@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from .backend.kernels import use_grouped_query_sdpa, use_row_efficient_linear
 from .errors import ModelLoadError, ModelNotInstalledError
-from .kernels import use_grouped_query_sdpa, use_row_efficient_linear
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 24

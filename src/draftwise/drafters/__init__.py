@@ -6,17 +6,18 @@ A method is named by a spec string: ``"pld"``, or with options ``"pld:max_ngram=
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 
+from ..decoding.drafter import Drafter, NoDrafter, StepOutcome
 from ..errors import UnknownMethodError, UnsupportedOptionError
 from .aded import AdedDrafter
-from .base import Drafter, NoDrafter, StepOutcome
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .rest import RestDrafter
 from .token_recycling import TokenRecyclingDrafter
 
-__all__ = ["AdedDrafter", "Drafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "make_drafter", "parse_method"]
+__all__ = ["AdedDrafter", "Drafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "check_method", "make_drafter", "parse_method", "restore_state", "save_state"]
 
 #: Method name -> drafter factory. ``ar`` is plain autoregressive decoding through the same engine.
 METHODS: dict[str, Callable[..., Drafter]] = {
@@ -53,8 +54,9 @@ def _parse_value(text: str) -> object:
     return text
 
 
-def make_drafter(method: str, **options: object) -> Drafter:
-    """Build the drafter of ``method`` (a name or a spec string with options), validating every option."""
+def check_method(method: str, **options: object) -> tuple[str, dict[str, object]]:
+    """The name and options of ``method`` (a name or a spec string with options), refusing an unknown method or
+    option without building the drafter (a drafter may load a corpus: build it once, with :func:`make_drafter`)."""
     name, spec_options = parse_method(method)
     factory = METHODS.get(name)
     if factory is None:
@@ -69,7 +71,30 @@ def make_drafter(method: str, **options: object) -> Drafter:
     if unknown:
         valid = ", ".join(accepted) if accepted else "none"
         raise UnsupportedOptionError(f"method {name!r} has no option {', '.join(unknown)}; its options: {valid}")
+    return name, options
+
+
+def make_drafter(method: str, **options: object) -> Drafter:
+    """Build the drafter of ``method`` (a name or a spec string with options), validating every option."""
+    name, options = check_method(method, **options)
+    factory = METHODS[name]
     try:
         return factory(**options)
     except (TypeError, ValueError) as error:
         raise UnsupportedOptionError(f"bad options for method {name!r}: {error}") from error
+
+
+def restore_state(drafter: Drafter, path: str | os.PathLike) -> None:
+    """Load a learning drafter's state from ``path`` when the file exists (a first run starts fresh); a drafter that
+    keeps no state is refused."""
+    if not callable(getattr(drafter, "load", None)) or not callable(getattr(drafter, "save", None)):
+        raise UnsupportedOptionError(
+            f"method {drafter.name!r} keeps no state; a state file applies to learning drafters (recycling, aded)"
+        )
+    if os.path.exists(path):
+        drafter.load(path)
+
+
+def save_state(drafter: Drafter, path: str | os.PathLike) -> None:
+    """Write a learning drafter's state to ``path`` (see :func:`restore_state`)."""
+    drafter.save(path)

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..acceptance import AcceptanceTracker
-from ..ngram import NGramIndex
-from ..successors import SuccessorMatrix, rank_template
-from ..tree import ROOT, DraftTree
-from ..trigram import TrigramStore, load_arrays
-from .base import Drafter, StepOutcome
+from ..decoding.drafter import Drafter, StepOutcome
+from ..decoding.tree import ROOT, DraftTree
+from .stores.acceptance import AcceptanceTracker
+from .stores.ngram import NGramIndex
+from .stores.successors import SuccessorMatrix, rank_template
+from .stores.trigram import TrigramStore, load_arrays
 
 #: Prefix of the recycled predictions' arrays in a saved state.
 RECYCLED = "recycled_"
@@ -214,7 +214,6 @@ class AdedDrafter(Drafter):
         self.rng = random.Random(seed)
         self.acceptance = AcceptanceTracker()
         self._kind_of_path: dict[tuple[int, ...], object] = {}
-        self._context: Sequence[int] = ()
 
     def reset(self, prompt: Sequence[int]) -> None:
         self.index.reset()
@@ -222,7 +221,6 @@ class AdedDrafter(Drafter):
             self.store.add_sequence(prompt, self.context_rate, self.cap)
 
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
-        self._context = context
         self._kind_of_path = {}
         if len(context) < 2 or budget < 1:
             return DraftTree()
@@ -301,21 +299,15 @@ class AdedDrafter(Drafter):
 
     def observe(self, outcome: StepOutcome) -> None:
         tree = outcome.tree
-        # The engine may skip proposing (no room left to draft) yet still report the step: use its context.
-        previous = outcome.previous or self._context
-        root = outcome.root if outcome.root is not None else previous[-1]
-        before = previous[-2] if len(previous) >= 2 else None
-        # The last two tokens of every row: the root's, then each node's along its path.
-        pairs: list[tuple[int | None, int]] = [(before, root)]
-        for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-            pairs.append((pairs[parent + 1][1], token))
-        rows = outcome.logits[: len(tree) + 1]
+        root, before = outcome.root, outcome.before_root
+        row_tokens = tree.row_tokens(root)
+        previous = tree.row_previous(root, before)
         if self.recycled is not None:
-            top = SuccessorMatrix.top_tokens(rows, self.recycled.top_k)
-            self.recycled.record([b for _, b in pairs], top, rows.shape[-1])
-            predictions = top[:, 0].tolist()
+            predictions = self.recycled.observe(row_tokens, previous, outcome.logits)[:, 0].tolist()
         else:
-            predictions = torch.argmax(rows.float(), dim=-1).tolist()
+            predictions = torch.argmax(outcome.logits[: len(row_tokens)].float(), dim=-1).tolist()
+        # The model's top prediction at every row, under that row's last two tokens.
+        pairs = zip(previous, row_tokens)
         for (a, b), prediction in zip(pairs, predictions):
             if a is not None:
                 self.store.add(a, b, prediction, self.learning_rate, self.cap)

@@ -31,10 +31,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..decoding.drafter import Drafter, StepOutcome
+from ..decoding.tree import DraftTree
+from ..decoding.verify import greedy_choice
 from ..errors import UnsupportedOptionError
-from ..tree import DraftTree
-from ..verify import greedy_choice
-from .base import Drafter, StepOutcome
 
 Filler = Callable[[], int]
 
@@ -240,7 +240,7 @@ class LookaheadDrafter(Drafter):
         if window is None:
             return
         emitted = len(outcome.verification.tokens)
-        root = outcome.root if outcome.root is not None else outcome.context[-1 - emitted]
+        root = outcome.root
         rows = rows_by_path(outcome.tree)
         newest_rows: list[int] = []
         for path in window.column_paths():
@@ -253,5 +253,5 @@ class LookaheadDrafter(Drafter):
         newest = [choices[row] for row in newest_rows]
         for ngram in harvest(window, root, newest):
             self.pool.add(ngram)
-        self._context = outcome.context
+        self._context = outcome.new_context
         self._window = shift_window(window, newest, emitted, self._fill)

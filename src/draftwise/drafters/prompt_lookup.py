@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..acceptance import AcceptanceTracker
-from ..ngram import NGramIndex
-from ..tree import DraftTree
-from .base import Drafter, StepOutcome
+from ..decoding.drafter import Drafter, StepOutcome
+from ..decoding.tree import DraftTree
+from .stores.acceptance import AcceptanceTracker
+from .stores.ngram import NGramIndex
 
 
 class PromptLookupDrafter(Drafter):

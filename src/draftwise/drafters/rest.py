@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..acceptance import AcceptanceTracker
-from ..datastore import Datastore, context_continuations, continuation_trie
-from ..tree import ROOT, DraftTree
-from .base import Drafter, StepOutcome
+from ..decoding.drafter import Drafter, StepOutcome
+from ..decoding.tree import ROOT, DraftTree
+from .stores.acceptance import AcceptanceTracker
+from .stores.datastore import Datastore, context_continuations, continuation_trie
 
 Prefix = tuple[int, ...]
 #: What acceptance is learned per: the source ("datastore" or "context") and the matched suffix length's bucket.
@@ -102,7 +102,7 @@ class RestDrafter(Drafter):
             length, rows = context_continuations(context, self.min_suffix, self.max_suffix, self.depth, self.max_matches)
             if length:
                 self._add_trie(candidates, "context", match_length_bucket(length), rows)
-        return self._best_tree(candidates, budget)
+        return DraftTree.from_prefix_scores(candidates, budget)
 
     def _add_trie(self, candidates: dict[Prefix, float], source: str, length_bucket: int, rows: np.ndarray) -> None:
         """Score the most frequent nodes of the continuation trie of ``rows`` and merge them into ``candidates``
@@ -128,19 +128,6 @@ class RestDrafter(Drafter):
             trie.setdefault(parent_prefix, []).append(prefix[-1])
             candidates[prefix] = max(candidates.get(prefix, 0.0), score)
         self._tries.append(((source, length_bucket), trie))
-
-    @staticmethod
-    def _best_tree(candidates: dict[Prefix, float], budget: int) -> DraftTree:
-        """The ``budget`` best-scoring candidates as a tree (ties: shallower, then more frequent)."""
-        order = {prefix: position for position, prefix in enumerate(candidates)}
-        ranked = sorted(candidates, key=lambda prefix: (-candidates[prefix], len(prefix), order[prefix]))
-        ranked = sorted(ranked[: max(budget, 0)], key=lambda prefix: (len(prefix), order[prefix]))
-        index = {prefix: node for node, prefix in enumerate(ranked)}
-        return DraftTree(
-            tuple(prefix[-1] for prefix in ranked),
-            tuple(index[prefix[:-1]] if len(prefix) > 1 else ROOT for prefix in ranked),
-            tuple(candidates[prefix] for prefix in ranked),
-        )
 
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from the tokens the model emitted, against the whole of each trie (not just the verified part, so

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..acceptance import AcceptanceTracker
-from ..successors import EMPTY, SuccessorMatrix, rank_template
-from ..tree import ROOT, DraftTree
-from .base import Drafter, StepOutcome
+from ..decoding.drafter import Drafter, StepOutcome
+from ..decoding.tree import ROOT, DraftTree
+from .stores.acceptance import AcceptanceTracker
+from .stores.successors import EMPTY, SuccessorMatrix, rank_template
 
 __all__ = ["EMPTY", "TokenRecyclingDrafter", "rank_template"]
 
@@ -80,12 +80,9 @@ class TokenRecyclingDrafter(Drafter):
 
     def observe(self, outcome: StepOutcome) -> None:
         tree = outcome.tree
-        root = outcome.root if outcome.root is not None else outcome.context[-1 - len(outcome.verification.tokens)]
-        row_tokens = [root, *tree.tokens]
-        top = SuccessorMatrix.top_tokens(outcome.logits[: len(row_tokens)], self.top_k)
-        before = outcome.previous[-2] if len(outcome.previous) >= 2 else None
-        previous_tokens = [before, *(root if parent == ROOT else tree.tokens[parent] for parent in tree.parents)]
-        self.successors.record(row_tokens, top, outcome.logits.shape[-1], previous_tokens)
+        self.successors.observe(
+            tree.row_tokens(outcome.root), tree.row_previous(outcome.root, outcome.before_root), outcome.logits
+        )
         self._learn_ranks(outcome)
 
     def _learn_ranks(self, outcome: StepOutcome) -> None:

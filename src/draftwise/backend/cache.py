@@ -1,0 +1,148 @@
+"""A key/value cache in which rejecting draft tokens is a cheap rollback.
+
+Each layer keeps one preallocated buffer of shape ``(batch, kv_heads, capacity, head_dim)``. A forward pass writes
+the keys and values of its new rows right after each sequence's committed length and returns a view of the buffer;
+nothing is committed until the engine calls :meth:`TreeKVCache.keep`, which compacts the rows of the accepted path
+into place. Rejected rows are simply left behind the committed length and overwritten by the next step.
+
+Sequences in a batch may have different committed lengths (``lengths``). A forward pass writes sequence ``b``'s new
+rows at ``lengths[b]``; the engine's attention mask hides everything a row must not see, including the stale slots
+of shorter sequences. The cache plugs into transformers through its public :class:`~transformers.Cache` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import UnsupportedModelError
+
+
+class _BufferLayer(CacheLayerMixin):
+    """One attention layer's slice of a :class:`TreeKVCache`."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: TreeKVCache) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, key_dim = key_states.shape
+        capacity = self._owner.capacity
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros((batch, heads, capacity, key_dim))
+        self.values = value_states.new_zeros((batch, heads, capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_rows = key_states.shape[-2]
+        lengths = self._owner.lengths
+        end = max(lengths) + new_rows
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        if len(lengths) == 1:
+            start = lengths[0]
+            self.keys[:, :, start : start + new_rows] = key_states
+            self.values[:, :, start : start + new_rows] = value_states
+        else:
+            for row, start in enumerate(lengths):
+                self.keys[row, :, start : start + new_rows] = key_states[row]
+                self.values[row, :, start : start + new_rows] = value_states[row]
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.keys.shape[-2])
+        keys = self.keys.new_zeros((*self.keys.shape[:2], capacity, self.keys.shape[-1]))
+        values = self.values.new_zeros((*self.values.shape[:2], capacity, self.values.shape[-1]))
+        keys[:, :, : self.keys.shape[-2]] = self.keys
+        values[:, :, : self.values.shape[-2]] = self.values
+        self.keys, self.values = keys, values
+        self._owner.capacity = max(self._owner.capacity, capacity)
+
+    def compact(self, row: int, start: int, keep: torch.Tensor) -> None:
+        """Move the slots ``start + keep`` of sequence ``row`` to ``start, start + 1, ...``."""
+        destination = slice(start, start + keep.numel())
+        source = keep + start
+        # index_select copies before writing, so overlapping source and destination are safe.
+        self.keys[row, :, destination] = self.keys[row].index_select(1, source)
+        self.values[row, :, destination] = self.values[row].index_select(1, source)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(self._owner.lengths) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(self._owner.lengths)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TreeKVCache(Cache):
+    """KV cache with per-sequence committed lengths, cheap rollback and compaction of accepted tree nodes.
+
+    Args:
+        num_layers: number of attention layers of the model.
+        batch_size: number of sequences.
+        capacity: initial number of slots per sequence; the buffers grow (by doubling) if a forward needs more.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int = 1, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self.lengths: list[int] = [0] * batch_size
+        super().__init__(layers=[_BufferLayer(self) for _ in range(num_layers)])
+
+    def keep(self, row: int, keep: Sequence[int] | torch.Tensor) -> None:
+        """Commit, for sequence ``row``, the rows ``keep`` (ascending, relative to the last forward's first new row).
+
+        Everything else written by the last forward for that sequence is dropped.
+        """
+        start = self.lengths[row]
+        count = len(keep)
+        if count and not _is_prefix_range(keep):
+            index = torch.as_tensor(keep, dtype=torch.long, device=self.layers[0].keys.device)
+            for layer in self.layers:
+                layer.compact(row, start, index)
+        self.lengths[row] = start + count
+
+    def truncate(self, row: int, length: int) -> None:
+        """Roll sequence ``row`` back to ``length`` committed slots."""
+        if length > self.lengths[row]:
+            raise ValueError(f"cannot truncate to {length}: only {self.lengths[row]} slots are committed")
+        self.lengths[row] = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths)
+
+
+def check_full_attention(model: torch.nn.Module) -> None:
+    """Refuse a model whose layers are not all full attention: the engine's masks could not express them."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    unsupported = sorted({kind for kind in layer_types if kind != "full_attention"})
+    # A window only matters when it is switched on (qwen2 carries one with use_sliding_window=False) and is
+    # shorter than the context; the engine's masks are full attention, so such a model must be refused.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    context = getattr(config, "max_position_embeddings", None)
+    if window is not None and (context is None or window < context):
+        unsupported = unsupported or ["sliding_attention"]
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{config.model_type} uses layer types {unsupported}; "
+            "draftwise's engine needs every layer to be full attention"
+        )
+
+
+def _is_prefix_range(indices: Sequence[int] | torch.Tensor) -> bool:
+    """True when ``indices`` is exactly 0, 1, ..., n-1 (nothing to move)."""
+    if isinstance(indices, torch.Tensor):
+        indices = indices.tolist()
+    return all(index == position for position, index in enumerate(indices))

@@ -1,0 +1,154 @@
+"""The target model as the engine sees it: a forward over blocks of new rows, and a KV cache per sequence in which
+rejected rows cost nothing.
+
+:class:`Target` is the interface; :class:`TransformersTarget` runs any supported transformers causal LM through its
+public forward, with an explicit 4D attention mask and explicit position ids, on a
+:class:`~draftwise.backend.cache.TreeKVCache`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .cache import TreeKVCache, check_full_attention
+from .rows import RowBlock, attention_mask, position_ids
+
+
+def context_length(model: torch.nn.Module) -> int:
+    """The model's maximum number of positions (prompt plus generated tokens)."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward computed, per block in the order given.
+
+    Attributes:
+        logits: ``(rows, vocab)`` per block (only the last row with ``last_only``).
+        hidden_states: the input of the output head at the same rows, when asked for.
+    """
+
+    logits: list[torch.Tensor]
+    hidden_states: list[torch.Tensor] | None = None
+
+
+class Target(ABC):
+    """A model the engine verifies drafts with.
+
+    Attributes:
+        model: the transformers model behind it (the reference: configuration, generation config, ``generate``).
+    """
+
+    model: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.model)
+
+    @abstractmethod
+    def new_cache(self, capacity: int) -> Any:
+        """An empty KV cache for one sequence, with room for ``capacity`` positions (it grows when needed)."""
+
+    @abstractmethod
+    def cache_length(self, cache: Any) -> int:
+        """Committed positions in ``cache``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        caches: Sequence[Any],
+        blocks: Sequence[RowBlock],
+        *,
+        last_only: bool = False,
+        hidden_states: bool = False,
+    ) -> ForwardOutput:
+        """Run the rows of ``blocks[i]`` on top of ``caches[i]``; the new rows' keys and values are written after
+        each cache's committed length but not committed (see :meth:`commit`)."""
+
+    @abstractmethod
+    def commit(self, cache: Any, rows: Sequence[int]) -> None:
+        """Keep the rows ``rows`` (ascending, indices into the last forward's block) of ``cache``; drop the rest."""
+
+
+class TransformersTarget(Target):
+    """Any transformers causal LM whose layers are all full attention, through its public forward.
+
+    Args:
+        model: the model (left unmodified; see :func:`draftwise.load_model` for the CPU kernels it can use).
+    """
+
+    def __init__(self, model: Any) -> None:
+        check_full_attention(model)
+        self.model = model
+        self._layers = model.config.get_text_config(decoder=True).num_hidden_layers
+
+    def new_cache(self, capacity: int) -> TreeKVCache:
+        return TreeKVCache(self._layers, batch_size=1, capacity=capacity)
+
+    def cache_length(self, cache: TreeKVCache) -> int:
+        return cache.lengths[0]
+
+    def forward(
+        self,
+        caches: Sequence[TreeKVCache],
+        blocks: Sequence[RowBlock],
+        *,
+        last_only: bool = False,
+        hidden_states: bool = False,
+    ) -> ForwardOutput:
+        # One forward per sequence: padding sequences into one batch would change every row's arithmetic.
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        for cache, block in zip(caches, blocks):
+            row_logits, row_hidden = self._forward_one(cache, block, last_only, hidden_states)
+            logits.append(row_logits)
+            if row_hidden is not None:
+                hidden.append(row_hidden)
+        return ForwardOutput(logits, hidden if hidden_states else None)
+
+    def _forward_one(
+        self, cache: TreeKVCache, block: RowBlock, last_only: bool, want_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device, dtype = self.device, self.dtype
+        lengths = cache.lengths
+        captured: list[torch.Tensor] = []
+        hook = None
+        if want_hidden:
+            head = self.model.get_output_embeddings()
+            hook = head.register_forward_pre_hook(lambda module, inputs: captured.append(inputs[0]))
+        try:
+            output = self.model(
+                input_ids=torch.tensor([block.tokens], dtype=torch.long, device=device),
+                attention_mask=attention_mask([block.parents], lengths, dtype, device),
+                position_ids=position_ids([block.parents], lengths, device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        hidden = captured[0][0, -1:] if last_only and captured else (captured[0][0] if captured else None)
+        return output.logits[0], hidden
+
+    def commit(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
+        cache.keep(0, rows)
+
+
+def as_target(model: Any) -> Target:
+    """``model`` itself when it is a :class:`Target`, else the transformers model wrapped in one."""
+    return model if isinstance(model, Target) else TransformersTarget(model)

@@ -1,0 +1,77 @@
+"""The benchmark: prompts, runs of every method side by side, metrics, results files, reports and charts.
+
+- :mod:`.prompts`: Spec-Bench, HumanEval and prompt files.
+- :mod:`.run`: rows, drafters, one timed run per row and prompt, a whole benchmark (:class:`~.run.Benchmark`).
+- :mod:`.results`: run records, the resumable results file and the JSON summary.
+- :mod:`.metrics`: speedups, MAT, acceptance, exact match, per category and overall.
+- :mod:`.environment`: what a run was measured on.
+- :mod:`.report` and :mod:`.plots`: tables, a markdown report and charts.
+"""
+
+from .environment import PeakMemoryMeter, environment, model_digest
+from .metrics import (
+    BASELINES,
+    complete_runs,
+    first_divergence,
+    mean_question_rate,
+    per_repeat,
+    position_rates,
+    ratio,
+    sum_histograms,
+    summarize,
+    total_rate,
+)
+from .results import OVERALL, Record, ResultsWriter, read_results, results_header, row_label, write_json
+from .run import (
+    HF_ROWS,
+    Benchmark,
+    BenchSettings,
+    Measurement,
+    Row,
+    build_drafters,
+    measure_draftwise,
+    measure_hf,
+    parse_methods,
+    parse_sweep,
+    plan_rows,
+    planned_runs,
+    run_bench,
+    validate_methods,
+)
+
+__all__ = [
+    "BASELINES",
+    "HF_ROWS",
+    "OVERALL",
+    "BenchSettings",
+    "Benchmark",
+    "Measurement",
+    "PeakMemoryMeter",
+    "Record",
+    "ResultsWriter",
+    "Row",
+    "build_drafters",
+    "complete_runs",
+    "environment",
+    "first_divergence",
+    "mean_question_rate",
+    "measure_draftwise",
+    "measure_hf",
+    "model_digest",
+    "parse_methods",
+    "parse_sweep",
+    "per_repeat",
+    "plan_rows",
+    "planned_runs",
+    "position_rates",
+    "ratio",
+    "read_results",
+    "results_header",
+    "row_label",
+    "run_bench",
+    "sum_histograms",
+    "summarize",
+    "total_rate",
+    "validate_methods",
+    "write_json",
+]

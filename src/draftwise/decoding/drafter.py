@@ -1,0 +1,91 @@
+"""The drafter contract: propose a draft tree for the current context, observe how its verification went.
+
+The engine calls :meth:`Drafter.reset` when a sequence starts, :meth:`Drafter.propose` before every verification
+step and :meth:`Drafter.observe` after it. A proposal is a :class:`~draftwise.decoding.tree.DraftTree`: token nodes
+below the last emitted token, optionally scored (so the engine can size the draft against its cost) and optionally
+carrying the draft distributions the nodes were sampled from (model drafters: sampling then verifies by rejection
+sampling, exactly). A drafter that learns from the target's hidden states sets :attr:`Drafter.wants_hidden_states`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree
+from .verify import Verification
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one verification step revealed, handed to :meth:`Drafter.observe`.
+
+    Attributes:
+        tree: the draft tree that was verified (empty when the engine drafted nothing this step).
+        verification: which nodes were accepted and which tokens the walk produced.
+        logits: the target's logits at every row of the forward (row 0 = root, row ``i + 1`` = node ``i``), after the
+            user's sampling transforms; drafters that learn from the model read their top tokens.
+        context: the sequence the tree was drafted for (prompt and output so far); it ends with the root, the token
+            at row 0.
+        emitted: the tokens this step appended to the sequence (the verified tokens, cut at an end of sequence or a
+            stop sequence).
+        hidden_states: the target's last hidden states (the output head's input) at every row, for drafters whose
+            :attr:`~Drafter.wants_hidden_states` is set; ``None`` otherwise.
+    """
+
+    tree: DraftTree
+    verification: Verification
+    logits: torch.Tensor
+    context: Sequence[int]
+    emitted: Sequence[int] = ()
+    hidden_states: torch.Tensor | None = None
+
+    @property
+    def root(self) -> int:
+        """The token at row 0: the last token of :attr:`context`."""
+        return int(self.context[-1])
+
+    @property
+    def before_root(self) -> int | None:
+        """The token before the root, ``None`` at the very start."""
+        return int(self.context[-2]) if len(self.context) >= 2 else None
+
+    @property
+    def new_context(self) -> tuple[int, ...]:
+        """The sequence after this step: :attr:`context` followed by :attr:`emitted`."""
+        return (*self.context, *self.emitted)
+
+
+class Drafter(ABC):
+    """Proposes draft trees. One instance serves one sequence at a time; learned state may be shared across them.
+
+    Implementations live one per file in :mod:`draftwise.drafters` and register a method name there.
+    """
+
+    #: Method name used by ``generate(method=...)``, the CLI and the benchmark.
+    name: str = ""
+    #: Ask the engine for the target's hidden states in :meth:`observe` (they cost a copy per step).
+    wants_hidden_states: bool = False
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start a new sequence whose context begins with ``prompt``. Learned state that should outlive a
+        request (adaptive tables) is kept."""
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], budget: int) -> DraftTree:
+        """A draft tree of at most ``budget`` nodes continuing ``context`` (the prompt and all emitted tokens)."""
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from a verification step. The default ignores it."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: never drafts, so every step is a one-row forward."""
+
+    name = "ar"
+
+    def propose(self, context: Sequence[int], budget: int) -> DraftTree:
+        return DraftTree()

@@ -1,0 +1,314 @@
+"""The decoding engine: prefill, then draft -> verify -> accept -> update, one forward pass per step.
+
+Every method, plain autoregressive decoding (``ar``) included, runs through the :class:`Decoder`. Its state is
+per sequence (:class:`SequenceState`) and its two stages, :meth:`Decoder.prefill` and :meth:`Decoder.step`, take a
+list of sequences. Each stage is made of small functions that tests can drive one by one: :func:`draft` (ask the
+drafter for a tree and keep the part that pays for its cost), :func:`verify` (decide what the target itself would
+emit), :func:`accept` (append tokens one at a time, ending exactly where plain decoding would) and :func:`update`
+(statistics, and what the drafter learns). :func:`decode` is the loop for one sequence.
+
+The target (:class:`~draftwise.backend.target.Target`) runs the forward: the draft tree is verified in one forward
+(tree attention) and the target's KV cache keeps exactly the accepted path afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backend.rows import RowBlock
+from ..backend.target import Target, as_target
+from .drafter import Drafter, StepOutcome
+from .latency import LatencyModel
+from .sampling import SamplingParams, transform_logits
+from .stats import GenerationStats
+from .tree import DraftTree
+from .verify import Verification, greedy_choice, verify_greedy, verify_probabilistic, verify_sampled
+
+#: Default upper bound on draft nodes per step. On a 2-core CPU a forward of 16 rows costs about 2x one row.
+DEFAULT_BUDGET = 16
+
+
+class FinishReason:
+    """Why generation ended: ``"eos"``, ``"stop"`` (a stop sequence) or ``"length"`` (max_new_tokens)."""
+
+    EOS = "eos"
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass
+class StepEvent:
+    """Tokens emitted by one step (after stop handling), and whether generation finished with them."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class SequenceState:
+    """Everything the engine keeps for one sequence.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        drafter: the sequence's drafter.
+        max_new_tokens: most tokens to emit.
+        sampling: the sampling options (greedy by default).
+        eos: token ids that end the sequence.
+        is_stopped: called with the output so far after every token; ``True`` ends the sequence (stop sequences).
+        stats: counters of this sequence.
+        context: the prompt and every emitted token.
+        output: the emitted tokens.
+        finish_reason: why the sequence ended (``None`` while it runs).
+        generator: the sequence's random source (``None`` for greedy or unseeded sampling).
+        cache: the target's KV cache for this sequence.
+        started: when its prefill began (``time.perf_counter``).
+    """
+
+    prompt_ids: tuple[int, ...]
+    drafter: Drafter
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos: frozenset[int] = frozenset()
+    is_stopped: Callable[[Sequence[int]], bool] | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    context: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    cache: Any = None
+    started: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def accept(sequence: SequenceState, tokens: Sequence[int]) -> StepEvent:
+    """Append ``tokens`` one at a time, ending where plain decoding would: at the first EOS token, the first token
+    after which ``is_stopped`` holds, or at ``max_new_tokens``."""
+    taken: list[int] = []
+    for token in tokens:
+        taken.append(int(token))
+        sequence.output.append(int(token))
+        sequence.context.append(int(token))
+        if token in sequence.eos:
+            sequence.finish_reason = FinishReason.EOS
+        elif sequence.is_stopped is not None and sequence.is_stopped(sequence.output):
+            sequence.finish_reason = FinishReason.STOP
+        elif len(sequence.output) >= sequence.max_new_tokens:
+            sequence.finish_reason = FinishReason.LENGTH
+        if sequence.finish_reason is not None:
+            break
+    return StepEvent(taken, sequence.finish_reason)
+
+
+def draft(
+    drafter: Drafter, context: Sequence[int], budget: int, max_depth: int, latency: LatencyModel
+) -> DraftTree:
+    """``drafter``'s tree for ``context``, cut to ``budget`` nodes and ``max_depth`` levels; of a scored tree only
+    the best nodes that pay for their verification cost (according to ``latency``) are kept."""
+    if max_depth <= 0 or budget <= 0:
+        return DraftTree()
+    tree = drafter.propose(context, budget).cut(budget, max_depth)
+    if tree.scores is not None and len(tree):
+        tree = tree.best(latency.best_size(sorted(tree.scores, reverse=True)))
+    return tree
+
+
+def verify(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    context: Sequence[int],
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[Verification, torch.Tensor]:
+    """Verify ``tree`` against the target's logits at every row; returns the outcome and the transformed logits.
+
+    The user's transforms (repetition penalty, temperature, top-k, top-p, min-p) shape the target distribution of
+    every row exactly as in plain decoding. Greedy takes :func:`~draftwise.decoding.verify.greedy_choice` of each
+    row; sampling draws node by node (:func:`~draftwise.decoding.verify.verify_sampled`), or by rejection sampling
+    when the tree carries the draft distributions it was sampled from.
+    """
+    logits = transform_logits(logits, sampling, context, tree)
+    if sampling.greedy:
+        return verify_greedy(tree, greedy_choice(logits).tolist()), logits
+    probabilities = torch.softmax(logits.float(), dim=-1)
+    if tree.draft_probs is not None and len(tree):
+        return verify_probabilistic(tree, probabilities, tree.draft_probs, generator, without_replacement=True), logits
+    return verify_sampled(tree, probabilities, generator), logits
+
+
+def update(
+    sequence: SequenceState,
+    tree: DraftTree,
+    verification: Verification,
+    logits: torch.Tensor,
+    context: Sequence[int],
+    event: StepEvent,
+    hidden_states: torch.Tensor | None = None,
+) -> None:
+    """Count the step and let the drafter learn from it."""
+    emitted = len(event.tokens)
+    # An EOS or stop inside the accepted draft ends the step early: count only what was emitted.
+    sequence.stats.record_step(
+        emitted=emitted,
+        drafted=len(tree),
+        accepted=min(verification.accepted, emitted),
+        attempted=min(verification.attempted, emitted),
+    )
+    started = time.perf_counter()
+    sequence.drafter.observe(StepOutcome(tree, verification, logits, context, tuple(event.tokens), hidden_states))
+    sequence.stats.draft_time_s += time.perf_counter() - started
+
+
+class Decoder:
+    """Runs sequences through prefill and verification steps on one target.
+
+    Args:
+        target: the model (a :class:`~draftwise.backend.target.Target`, or a transformers model to wrap in one).
+        budget: most draft nodes verified per step.
+        latency: forward-time model used to size drafts (learned from this decoder's forwards when not given; pass
+            one in to share it between decoders on one model).
+    """
+
+    def __init__(self, target: Any, *, budget: int = DEFAULT_BUDGET, latency: LatencyModel | None = None) -> None:
+        self.target: Target = as_target(target)
+        self.budget = budget
+        self.latency = latency if latency is not None else LatencyModel()
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        drafter: Drafter,
+        *,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        is_stopped: Callable[[Sequence[int]], bool] | None = None,
+        sampling: SamplingParams | None = None,
+        stats: GenerationStats | None = None,
+    ) -> SequenceState:
+        """A new sequence, ready for :meth:`prefill` (the caller has validated the request)."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        return SequenceState(
+            prompt_ids=tuple(int(token) for token in prompt_ids),
+            drafter=drafter,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            eos=frozenset(int(token) for token in eos_token_ids),
+            is_stopped=is_stopped,
+            stats=stats if stats is not None else GenerationStats(),
+            context=[int(token) for token in prompt_ids],
+            generator=sampling.generator(self.target.device),
+        )
+
+    @torch.inference_mode()
+    def prefill(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
+        """Run each sequence's prompt and emit its first token (the first step of every sequence)."""
+        started = time.perf_counter()
+        for sequence in sequences:
+            sequence.started = started
+            capacity = len(sequence.context) + sequence.max_new_tokens + self.budget + 1
+            sequence.cache = self.target.new_cache(capacity)
+        blocks = [RowBlock.chain(sequence.context) for sequence in sequences]
+        output = self.target.forward([sequence.cache for sequence in sequences], blocks, last_only=True)
+        events = []
+        for sequence, block, logits in zip(sequences, blocks, output.logits):
+            self.target.commit(sequence.cache, range(len(block)))
+            first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.generator)
+            event = accept(sequence, first.tokens)
+            now = time.perf_counter()
+            sequence.stats.time_to_first_token_s = now - sequence.started
+            sequence.stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
+            sequence.drafter.reset(sequence.prompt_ids)
+            sequence.stats.time_s = time.perf_counter() - sequence.started
+            events.append(event)
+        return events
+
+    @torch.inference_mode()
+    def step(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
+        """One draft -> verify -> accept -> update step of every unfinished sequence (finished ones emit nothing)."""
+        active = [sequence for sequence in sequences if not sequence.finished]
+        limit = self.target.context_length
+        trees: list[DraftTree] = []
+        contexts: list[tuple[int, ...]] = []
+        for sequence in active:
+            started = time.perf_counter()
+            # A draft never needs to reach past the last token we may emit or past the context window.
+            max_depth = min(
+                sequence.max_new_tokens - len(sequence.output) - 1, limit - len(sequence.context) - 1
+            )
+            # Drafters may keep what they are given: a snapshot, since the sequence's own list keeps growing.
+            context = tuple(sequence.context)
+            trees.append(draft(sequence.drafter, context, self.budget, max_depth, self.latency))
+            contexts.append(context)
+            sequence.stats.draft_time_s += time.perf_counter() - started
+        want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
+        forward_started = time.perf_counter()
+        output = self.target.forward(
+            [sequence.cache for sequence in active],
+            [tree.rows(context[-1]) for tree, context in zip(trees, contexts)],
+            hidden_states=want_hidden,
+        )
+        verifications = [
+            verify(logits, tree, context, sequence.sampling, sequence.generator)
+            for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
+        ]
+        self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started)
+        events_by_sequence: dict[int, StepEvent] = {}
+        for index, (sequence, tree, context, (verification, logits)) in enumerate(
+            zip(active, trees, contexts, verifications)
+        ):
+            self.target.commit(sequence.cache, verification.kept_rows)
+            event = accept(sequence, verification.tokens)
+            hidden = output.hidden_states[index] if output.hidden_states is not None else None
+            update(sequence, tree, verification, logits, context, event, hidden)
+            sequence.stats.time_s = time.perf_counter() - sequence.started
+            events_by_sequence[id(sequence)] = event
+        return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]
+
+
+def decode(
+    model: Any,
+    prompt_ids: Sequence[int],
+    drafter: Drafter,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    is_stopped: Callable[[Sequence[int]], bool] | None = None,
+    budget: int = DEFAULT_BUDGET,
+    stats: GenerationStats | None = None,
+    latency: LatencyModel | None = None,
+    sampling: SamplingParams | None = None,
+) -> Iterator[StepEvent]:
+    """Generate one sequence with ``drafter``'s drafts; yield the tokens of each step as they are accepted.
+
+    Greedy (the default ``sampling``) gives the token ids of plain greedy decoding; sampling gives text from exactly
+    the distribution of plain sampling with the same options. Emitted tokens are processed one by one and generation
+    ends at the first EOS token, the first token after which ``is_stopped(output_ids)`` holds, or after
+    ``max_new_tokens`` tokens, exactly where plain decoding would end. ``stats`` (if given) is filled in.
+
+    When the drafter scores its nodes, each step verifies only the best-scoring ones that pay for their cost
+    according to ``latency`` (learned from this run's forwards; pass one in to share it between runs).
+
+    The caller validates the request (see :func:`draftwise.api.generate`); this function assumes sane arguments.
+    """
+    decoder = Decoder(model, budget=budget, latency=latency)
+    sequence = decoder.start(
+        prompt_ids,
+        drafter,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        is_stopped=is_stopped,
+        sampling=sampling,
+        stats=stats,
+    )
+    [event] = decoder.prefill([sequence])
+    yield event
+    while not sequence.finished:
+        [event] = decoder.step([sequence])
+        yield event

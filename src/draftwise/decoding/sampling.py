@@ -1,0 +1,120 @@
+"""Sampling options and the target distribution they define, identical in plain and speculative decoding.
+
+The transforms are transformers' own logits processors, applied in the order ``generate`` applies them (repetition
+penalty, temperature, top-k, top-p, min-p), so every option means exactly what it means in transformers. In a
+verification forward each row gets the history it would have in plain decoding: the context plus the draft path
+down to that row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ..errors import InvalidRequestError, UnsupportedOptionError
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options, with transformers' meanings. ``temperature=0`` (the default) is greedy decoding.
+
+    Attributes:
+        temperature: divides the logits; 0 means greedy (argmax).
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = off).
+        min_p: drop tokens less likely than min_p times the most likely one (0.0 = off).
+        repetition_penalty: transformers' (CTRL) penalty on tokens already in the prompt or output (1.0 = off).
+        seed: seed of the random source; the same seed gives the same output for the same method, model and options.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+        if self.greedy and (self.top_k or self.top_p < 1 or self.min_p):
+            raise UnsupportedOptionError(
+                "top_k, top_p and min_p shape a sampling distribution: set temperature > 0 to sample "
+                "(greedy decoding with temperature=0 would silently ignore them)"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def processors(self) -> LogitsProcessorList:
+        """transformers' logits processors for these options, in ``generate``'s order."""
+        processors = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if not self.greedy:
+            if self.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k:
+                processors.append(TopKLogitsWarper(self.top_k))
+            if self.top_p < 1.0:
+                processors.append(TopPLogitsWarper(self.top_p))
+            if self.min_p:
+                processors.append(MinPLogitsWarper(self.min_p))
+        return processors
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        """A random source seeded with :attr:`seed` (``None`` for greedy decoding or no seed: torch's global one)."""
+        if self.greedy or self.seed is None:
+            return None
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.seed)
+        return generator
+
+
+def row_histories(context: Sequence[int], tree: DraftTree) -> list[list[int]]:
+    """The token history of every row of a verification forward: the context, plus the path down to the row."""
+    histories = [list(context)]
+    for node in range(len(tree)):
+        parent = tree.parents[node]
+        histories.append([*histories[parent + 1], tree.tokens[node]])  # row 0 (parent ROOT) is the root
+    return histories
+
+
+def transform_logits(
+    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], tree: DraftTree | None = None
+) -> torch.Tensor:
+    """Apply the sampling transforms to the logits of every row (row 0 = root, row i + 1 = node i)."""
+    processors = params.processors()
+    if not processors:
+        return logits
+    if params.repetition_penalty == 1.0:
+        # Only the repetition penalty reads the history.
+        input_ids = torch.zeros((logits.shape[0], 1), dtype=torch.long, device=logits.device)
+    else:
+        histories = row_histories(context, tree if tree is not None else DraftTree())[: logits.shape[0]]
+        width = max(len(history) for history in histories)
+        # Padding repeats the last context token, which is in every history already: the penalty sees the same set.
+        padded = [history + [context[-1]] * (width - len(history)) for history in histories]
+        input_ids = torch.tensor(padded, dtype=torch.long, device=logits.device)
+    return processors(input_ids, logits.float().clone())

@@ -1,0 +1,132 @@
+"""The engine's stages one by one: accept, draft, the Decoder's prefill and step, and what a drafter is handed."""
+
+from __future__ import annotations
+
+import torch
+from tiny import OracleChainDrafter
+
+from draftwise.decoding.drafter import Drafter, NoDrafter
+from draftwise.decoding.engine import Decoder, FinishReason, SequenceState, accept, decode, draft
+from draftwise.decoding.latency import LatencyModel
+from draftwise.decoding.tree import DraftTree
+
+PROMPT = [3, 17, 42, 8, 8, 61, 5, 23]
+
+
+def sequence(**options) -> SequenceState:
+    return SequenceState(prompt_ids=tuple(PROMPT), drafter=NoDrafter(), context=list(PROMPT), **options)
+
+
+def greedy_ids(model, prompt, count):
+    return [token for event in decode(model, prompt, NoDrafter(), max_new_tokens=count) for token in event.tokens]
+
+
+def test_accept_ends_where_plain_decoding_would():
+    state = sequence(max_new_tokens=10, eos=frozenset({7}))
+    event = accept(state, [1, 2, 7, 4])
+    assert event.tokens == [1, 2, 7] and event.finish_reason == FinishReason.EOS
+    assert state.output == [1, 2, 7] and state.context == [*PROMPT, 1, 2, 7] and state.finished
+
+    state = sequence(max_new_tokens=3)
+    assert accept(state, [1, 2, 3, 4]).tokens == [1, 2, 3] and state.finish_reason == FinishReason.LENGTH
+
+    state = sequence(max_new_tokens=10, is_stopped=lambda output: output[-2:] == [2, 3])
+    assert accept(state, [1, 2, 3, 4]).tokens == [1, 2, 3] and state.finish_reason == FinishReason.STOP
+
+    state = sequence(max_new_tokens=10)
+    assert accept(state, [1, 2]).finish_reason is None and not state.finished
+
+
+class FixedDrafter(Drafter):
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree = tree
+        self.calls = 0
+
+    def propose(self, context, budget):
+        self.calls += 1
+        return self.tree
+
+
+def test_draft_cuts_to_budget_and_depth_and_skips_the_drafter_without_room():
+    tree = DraftTree.chain([1, 2, 3, 4, 5])
+    drafter = FixedDrafter(tree)
+    assert draft(drafter, PROMPT, 3, 10, LatencyModel()).tokens == (1, 2, 3)
+    assert draft(drafter, PROMPT, 10, 2, LatencyModel()).tokens == (1, 2)
+    calls = drafter.calls
+    assert len(draft(drafter, PROMPT, 10, 0, LatencyModel())) == 0
+    assert drafter.calls == calls  # no room to draft: the drafter is not asked
+
+
+def test_draft_keeps_only_the_nodes_that_pay():
+    scored = DraftTree((1, 2, 3), (-1, 0, 1), (0.9, 0.01, 0.001))
+    latency = LatencyModel(prior={1: 1.0, 2: 1.0, 3: 2.0, 4: 3.0})
+    assert draft(FixedDrafter(scored), PROMPT, 16, 10, latency).tokens == (1,)
+
+
+def test_decoder_stages_over_sequence_state(tiny_llama):
+    reference = greedy_ids(tiny_llama, PROMPT, 20)
+    decoder = Decoder(tiny_llama, budget=8)
+    state = decoder.start(PROMPT, OracleChainDrafter(PROMPT, reference, length=4), max_new_tokens=20)
+    events = decoder.prefill([state])
+    assert len(events) == 1 and len(events[0].tokens) == 1 and state.stats.steps == 1
+    while not state.finished:
+        [event] = decoder.step([state])
+        assert event.tokens
+    assert state.output == reference and state.finish_reason == FinishReason.LENGTH
+    assert state.stats.new_tokens == 20 and state.stats.steps < 20
+    # A finished sequence in a later step emits nothing and costs no forward.
+    assert decoder.step([state])[0].tokens == []
+
+
+class HiddenStateDrafter(Drafter):
+    name = "hidden"
+    wants_hidden_states = True
+
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree = tree
+        self.outcomes = []
+
+    def propose(self, context, budget):
+        return self.tree
+
+    def observe(self, outcome):
+        self.outcomes.append(outcome)
+
+
+def test_a_drafter_can_ask_for_hidden_states(tiny_llama):
+    drafter = HiddenStateDrafter(DraftTree((5, 6, 7), (-1, 0, -1)))
+    list(decode(tiny_llama, PROMPT, drafter, max_new_tokens=6))
+    assert drafter.outcomes
+    head = tiny_llama.get_output_embeddings()
+    for outcome in drafter.outcomes:
+        rows = len(outcome.tree) + 1
+        assert outcome.hidden_states.shape == (rows, tiny_llama.config.hidden_size)
+        with torch.inference_mode():
+            torch.testing.assert_close(head(outcome.hidden_states), outcome.logits, rtol=1e-5, atol=1e-5)
+    plain = HiddenStateDrafter(DraftTree((5,), (-1,)))
+    plain.wants_hidden_states = False
+    list(decode(tiny_llama, PROMPT, plain, max_new_tokens=3))
+    assert all(outcome.hidden_states is None for outcome in plain.outcomes)
+
+
+def test_step_outcome_names_the_root_and_the_emitted_tokens(tiny_llama):
+    reference = greedy_ids(tiny_llama, PROMPT, 12)
+    drafter = OracleChainDrafter(PROMPT, reference, length=3)
+    list(decode(tiny_llama, PROMPT, drafter, max_new_tokens=12))
+    emitted = 1
+    for outcome in drafter.outcomes:
+        assert list(outcome.context) == PROMPT + reference[:emitted]
+        assert outcome.root == outcome.context[-1] and outcome.before_root == outcome.context[-2]
+        assert list(outcome.emitted) == reference[emitted : emitted + len(outcome.emitted)]
+        emitted += len(outcome.emitted)
+    assert emitted == 12
+
+
+def test_subtrees_keep_their_draft_distributions():
+    probabilities = torch.softmax(torch.randn(4, 9), dim=-1)
+    tree = DraftTree((1, 2, 3), (-1, 0, -1), (0.9, 0.2, 0.5), draft_probs=probabilities)
+    best = tree.best(2)  # nodes 0 and 2
+    assert best.tokens == (1, 3)
+    assert torch.equal(best.draft_probs, probabilities[[0, 1, 3]])
+    cut = tree.cut(max_depth=1)
+    assert torch.equal(cut.draft_probs, probabilities[[0, 1, 3]])

@@ -1,0 +1,58 @@
+"""The learned cost model of verification forwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.decoding.latency import CPU_PRIOR, LatencyModel
+
+
+def test_prior_interpolates_and_extrapolates():
+    latency = LatencyModel(prior={1: 1.0, 3: 2.0, 5: 4.0})
+    assert latency.cost(1) == 1.0
+    assert latency.cost(2) == pytest.approx(1.5)
+    assert latency.cost(4) == pytest.approx(3.0)
+    assert latency.cost(10) == pytest.approx(8.0)  # proportional beyond the last entry
+    assert LatencyModel().cost(16) == CPU_PRIOR[16]
+
+
+def test_measurements_replace_and_rescale_the_prior():
+    latency = LatencyModel(prior={1: 1.0, 2: 2.0, 4: 4.0}, smoothing=0.5)
+    latency.record(1, 0.010)
+    assert latency.cost(1) == pytest.approx(0.010)
+    assert latency.cost(4) == pytest.approx(0.040)  # prior shape scaled by the nearest measurement
+    latency.record(1, 0.020)
+    assert latency.cost(1) == pytest.approx(0.015)  # moving average
+    latency.record(4, 0.010)
+    assert latency.cost(4) == pytest.approx(0.010)
+    assert latency.cost(3) == pytest.approx(0.010 * 3 / 4)  # nearest measured is 4 rows (tie -> fewer rows)
+
+
+def test_best_size_maximises_expected_tokens_per_second():
+    latency = LatencyModel(prior={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 10.0})
+    # Up to 4 rows (root + 3 nodes) cost the same: take every node with a positive score, not a 5th row at 10x.
+    assert latency.best_size([0.9, 0.5, 0.1]) == 3
+    assert latency.best_size([0.9, 0.5, 0.4, 0.3]) == 3
+    assert latency.best_size([]) == 0
+    expensive = LatencyModel(prior={1: 1.0, 2: 3.0})
+    assert expensive.best_size([0.9]) == 0  # 1.9 tokens for 3x the time is a loss
+    cheap = LatencyModel(prior={1: 1.0, 2: 1.5})
+    assert cheap.best_size([0.9]) == 1
+
+
+def test_a_slow_outlier_does_not_stop_a_row_count_for_good():
+    latency = LatencyModel(prior={1: 1.0, 2: 1.2}, smoothing=0.5)
+    latency.record(1, 0.050)
+    latency.record(2, 4.0)  # one forward slowed by a passing load
+    assert latency.best_size([0.9]) == 0
+    for _ in range(20):  # the engine keeps measuring one-row forwards at the usual speed
+        latency.record(1, 0.050)
+    assert latency.cost(2) < 1.5 * 0.060 * 1.01
+    assert latency.best_size([0.9]) == 1
+
+
+def test_estimates_in_line_with_the_prior_are_left_alone():
+    latency = LatencyModel(prior={1: 1.0, 2: 1.2}, smoothing=0.5)
+    latency.record(2, 0.080)  # dearer than the prior's shape, but within its tolerance
+    latency.record(1, 0.060)
+    assert latency.cost(2) == pytest.approx(0.080)

@@ -1,0 +1,44 @@
+"""Distribution tests for sampling: Pearson's chi-square at significance 0.001 (critical value by the
+Wilson-Hilferty approximation; cells with expected counts under 5 are pooled)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Z_999 = 3.0902  # standard normal quantile for significance 0.001
+
+
+def chi_square_critical(degrees: int, z: float = Z_999) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile."""
+    return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probabilities: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic (pooling cells expected under 5) and its critical value at significance 0.001."""
+    counts = counts.double().flatten()
+    expected = probabilities.double().flatten() * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+        expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0  # impossible cells are checked separately
+    counts, expected = counts[keep], expected[keep]
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    return statistic, chi_square_critical(max(len(expected) - 1, 1))
+
+
+def assert_same_distribution(samples: list[int], probabilities: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(samples), minlength=probabilities.numel()).double()
+    impossible = counts[probabilities.flatten() == 0].sum()
+    assert impossible == 0, f"{int(impossible)} samples fell on tokens of probability 0"
+    statistic, critical = chi_square(counts, probabilities)
+    assert statistic < critical, f"chi-square {statistic:.1f} >= critical {critical:.1f}: distributions differ"
+
+
+def random_distribution(generator: torch.Generator, size: int, zeros: int = 0) -> torch.Tensor:
+    weights = torch.rand(size, generator=generator, dtype=torch.float64) + 0.05
+    if zeros:
+        weights[torch.randperm(size, generator=generator)[:zeros]] = 0
+    return weights / weights.sum()

@@ -1,0 +1,69 @@
+"""SuccessorMatrix and the rank template: fills, pair rows, state round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from draftwise.drafters.stores.successors import EMPTY, SuccessorMatrix, rank_template
+
+
+def distinct_successors(successors: SuccessorMatrix, token: int) -> list[int]:
+    """The distinct known successors of ``token`` in the matrix, best first."""
+    return list(dict.fromkeys(int(successor) for successor in successors.matrix[token] if successor != EMPTY))
+
+
+def test_template_is_parent_closed_and_bounded():
+    template = rank_template(depth=4, rank_budget=3, width=8)
+    assert len(set(template)) == len(template)
+    seen = set()
+    for path in template:
+        assert len(path) <= 4 and sum(path) <= 3 and all(rank < 8 for rank in path)
+        assert len(path) == 1 or path[:-1] in seen
+        seen.add(path)
+    assert len(rank_template(6, 2, 8)) == 83  # about the published 80-node, depth-6 template
+
+
+def test_successor_matrix_fill_skips_empty_and_repeated_slots():
+    successors = SuccessorMatrix(top_k=3)
+    successors.record([5, 6], np.array([[6, 7, 6], [8, 9, 8]]), vocab_size=12)
+    assert successors.matrix.shape == (12, 3)
+    assert distinct_successors(successors, 5) == [6, 7]  # the repeated 6 is one successor
+    nodes = successors.fill(5, rank_template(depth=3, rank_budget=2, width=3))
+    # 5 -> 6 -> {8, 9} (8 repeats at rank 2: skipped) ; 5 -> 7 (no successors of 7 known)
+    assert [(token, parent) for _, token, parent in nodes] == [(6, -1), (7, -1), (8, 0), (9, 0)]
+    for index, (ranks, token, parent) in enumerate(nodes):
+        assert parent < index
+    assert successors.fill(11, rank_template(3, 2, 3)) == []  # nothing seen after 11
+    assert successors.fill(400, rank_template(3, 2, 3)) == []  # beyond the matrix
+    # Later observations replace earlier ones: the model's latest predictions win.
+    successors.record([5], np.array([[1, 2, 3]]))
+    assert distinct_successors(successors, 5) == [1, 2, 3]
+    with pytest.raises(ValueError):
+        successors.load_matrix(np.zeros((4, 2), dtype=np.int32))
+
+
+def test_pair_rows_are_preferred_and_bounded():
+    successors = SuccessorMatrix(top_k=2, pair_capacity=2)
+    # After "1 5" the model predicted 6; after "2 5" it predicted 7 (recorded last, so the single-token row says 7).
+    successors.record([5, 5], np.array([[6, 0], [7, 0]]), previous_tokens=[1, 2])
+    template = rank_template(depth=1, rank_budget=0, width=2)
+    assert [token for _, token, _ in successors.fill(5, template, before=1)] == [6]
+    assert [token for _, token, _ in successors.fill(5, template, before=2)] == [7]
+    assert [token for _, token, _ in successors.fill(5, template, before=3)] == [7]  # unseen pair: the token's row
+    assert [token for _, token, _ in successors.fill(5, template)] == [7]
+    # Deeper nodes are looked up by their own pair (parent token, node token).
+    successors.record([6], np.array([[8, 0]]), previous_tokens=[5])
+    successors.record([6], np.array([[9, 0]]), previous_tokens=[4])  # evicts the oldest pair, (1, 5)
+    assert len(successors.pairs) == 2 and (1, 5) not in successors.pairs
+    nodes = successors.fill(5, rank_template(depth=2, rank_budget=0, width=2), before=2)
+    assert [token for _, token, _ in nodes] == [7]  # nothing known after 7
+    successors.record([5], np.array([[6, 0]]), previous_tokens=[2])
+    nodes = successors.fill(5, rank_template(depth=2, rank_budget=0, width=2), before=2)
+    assert [token for _, token, _ in nodes] == [6, 9]  # after (2, 5) -> 6; after (5, 6) the pair row is gone: M[6]
+    restored = SuccessorMatrix(top_k=2, pair_capacity=2)
+    restored.load_state(successors.state())
+    assert restored.pairs == successors.pairs and np.array_equal(restored.matrix, successors.matrix)
+    published = SuccessorMatrix(top_k=2)  # pair_capacity=0: single-token rows only, pairs in a file are dropped
+    published.load_state(successors.state())
+    assert published.pairs == {}

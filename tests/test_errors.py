@@ -277,18 +277,22 @@ def test_load_model_unknown_dtype(tmp_path):
 
 
 def test_load_model_of_a_saved_tiny_checkpoint(tmp_path, tiny_llama):
-    """A transformers checkpoint folder loads (no tokenizer -> None), gets the CPU linear layers, and decodes
-    exactly like the model it was saved from."""
+    """A transformers checkpoint folder loads (no tokenizer -> None) on either backend (the transformers one with
+    the CPU linear layers), and decodes exactly like the model it was saved from."""
     from draftwise.backend.kernels import RowEfficientLinear
 
     tiny_llama.save_pretrained(tmp_path / "ckpt")
-    model, tokenizer = draftwise.load_model(str(tmp_path / "ckpt"), cache_dir=tmp_path / "cache")
-    assert tokenizer is None
-    assert isinstance(model.lm_head, RowEfficientLinear)
-    assert not model.training
-    model.generation_config.eos_token_id = None
     expected = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT * 3, method="ar", max_new_tokens=16).token_ids
-    assert draftwise.generate(model, None, prompt_ids=PROMPT * 3, method="pld", max_new_tokens=16).token_ids == expected
+    for backend in ("transformers", "lean"):
+        target, tokenizer = draftwise.load_model(
+            str(tmp_path / "ckpt"), dtype="float32", backend=backend, cache_dir=tmp_path / "cache"
+        )
+        assert tokenizer is None and target.backend == backend and target.dtype == torch.float32
+        assert isinstance(target.model.lm_head, RowEfficientLinear) == (backend == "transformers")
+        assert not target.model.training and target.cost_prior
+        target.model.generation_config.eos_token_id = None
+        ids = draftwise.generate(target, None, prompt_ids=PROMPT * 3, method="pld", max_new_tokens=16).token_ids
+        assert ids == expected
 
 
 def test_preset_not_installed(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"decoding"},
     {"drafters"},
     {"api", "models"},
-    {"bench"},
+    {"bench", "doctor"},
     {"corpus", "serve"},
     {"cli"},
 ]

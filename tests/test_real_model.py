@@ -1,4 +1,5 @@
-"""Real-model tests on the default preset (SmolLM2-135M-Instruct). Slow, and run in CI too."""
+"""Real-model tests on the default preset (SmolLM2-135M-Instruct), in float32 and bfloat16. Slow, and run in CI
+too."""
 
 from __future__ import annotations
 
@@ -13,16 +14,28 @@ from draftwise.bench.prompts import load_spec_bench
 pytestmark = pytest.mark.slow
 
 
+DTYPES = ["float32", "bfloat16"]
+
+
 @pytest.fixture(scope="module")
 def smollm():
+    """The default preset as users load it (dtype "auto")."""
     torch.set_num_threads(2)
     return draftwise.load_model("smollm2-135m")
 
 
-def _top2_gap(model, ids: list[int]) -> float:
-    """Gap between the two largest logits after ``ids`` in a plain forward: tells a near-tie from a bug."""
+@pytest.fixture(scope="module", params=DTYPES)
+def smollm_in(request):
+    """The default preset in each dtype the exactness guarantee covers."""
+    torch.set_num_threads(2)
+    return draftwise.load_model("smollm2-135m", dtype=request.param)
+
+
+def _top2_gap(target, ids: list[int]) -> float:
+    """Gap between the two largest logits after ``ids`` in transformers' own forward: tells a near-tie from a
+    bug."""
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = target.model(torch.tensor([ids])).logits[0, -1]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
@@ -45,9 +58,9 @@ def _real_drafter(method: str, tokenizer) -> draftwise.Drafter:
 
 
 @pytest.fixture(scope="module")
-def spec_bench_references(smollm):
+def spec_bench_references(smollm_in):
     """Plain greedy decoding of two prompts per Spec-Bench task: the ids every method must reproduce."""
-    model, tokenizer = smollm
+    model, tokenizer = smollm_in
     references = []
     for prompt in load_spec_bench(None, per_category=2):
         messages = [{"role": "user", "content": prompt.text}]
@@ -56,11 +69,11 @@ def spec_bench_references(smollm):
 
 
 @pytest.mark.parametrize("method", sorted(set(draftwise.METHODS) - {"ar"}))
-def test_every_method_matches_ar_on_spec_bench(smollm, spec_bench_references, method):
+def test_every_method_matches_ar_on_spec_bench(smollm_in, spec_bench_references, method):
     """Every registered method, one drafter instance across the prompts (what it learns carries over): the ids of
-    plain greedy decoding on every prompt, and fewer steps. A divergence reports the top-2 logit gap there, which
-    tells a near-tie from a bug."""
-    model, tokenizer = smollm
+    plain greedy decoding on every prompt, in each dtype, and fewer steps. A divergence reports the top-2 logit gap
+    there, which tells a near-tie from a bug."""
+    model, tokenizer = smollm_in
     drafter = _real_drafter(method, tokenizer)
     mismatches = []
     steps = {"ar": 0, method: 0}
@@ -78,6 +91,30 @@ def test_every_method_matches_ar_on_spec_bench(smollm, spec_bench_references, me
             mismatches.append(f"question {prompt.question_id}: first divergence at {position}, top-2 gap {gap:.2e}")
     assert not mismatches, f"{method} differs from ar:\n" + "\n".join(mismatches)
     assert steps[method] < steps["ar"], f"{method} saved no steps at all"
+
+
+def test_verification_rows_are_bitwise_plain_decoding(smollm_in):
+    """On the real model: random trees around the true continuation at many cache lengths, every row on the true
+    path equal to plain one-row decoding with torch.equal on the whole logit row."""
+    from draftwise.backend.invariance import check_trees
+
+    target, _ = smollm_in
+    assert target.backend == "lean" and target.exact_trees
+    report = check_trees(target, trials=30, steps=100, prompt_length=100, seed=11)
+    assert report.exact, report.mismatches[:3]
+
+
+def test_lean_forward_gives_transformers_greedy_ids():
+    """float32: the engine's own forward decodes real prompts to the ids of transformers' own generate."""
+    from draftwise.api import eos_token_ids
+    from draftwise.bench import measure_hf
+
+    target, tokenizer = draftwise.load_model("smollm2-135m", dtype="float32")
+    for text in ("Explain what a binary search does in two sentences.", "Translate to German: good morning, friends."):
+        messages = [{"role": "user", "content": text}]
+        result = draftwise.generate(target, tokenizer, messages, method="ar", max_new_tokens=48)
+        expected = measure_hf(target.model, result.prompt_ids, 48, eos_token_ids(target, tokenizer)).token_ids
+        assert result.token_ids == expected, text
 
 
 def test_preset_reloads_fast(smollm):
@@ -123,12 +160,14 @@ def test_string_prompt_and_chat_template(smollm):
     assert raw.prompt_ids == tokenizer("Say hello.")["input_ids"]
 
 
-def test_ar_matches_transformers_generate(smollm):
-    model, tokenizer = smollm
+def test_transformers_backend_matches_transformers_generate():
+    """The public-forward path (other model families take it) gives transformers' own greedy ids too."""
     from draftwise.api import eos_token_ids
     from draftwise.bench import measure_hf
 
+    target, tokenizer = draftwise.load_model("smollm2-135m", dtype="float32", backend="transformers")
     messages = [{"role": "user", "content": "Explain what a binary search does in two sentences."}]
-    result = draftwise.generate(model, tokenizer, messages, method="ar", max_new_tokens=48)
-    hf_ids = measure_hf(model, result.prompt_ids, 48, eos_token_ids(model, tokenizer)).token_ids
-    assert hf_ids == result.token_ids
+    for method in ("ar", "pld"):
+        result = draftwise.generate(target, tokenizer, messages, method=method, max_new_tokens=48)
+        hf_ids = measure_hf(target.model, result.prompt_ids, 48, eos_token_ids(target, tokenizer)).token_ids
+        assert hf_ids == result.token_ids, method

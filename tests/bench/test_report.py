@@ -179,12 +179,14 @@ def test_real_model_bench_both_turns_and_report(tmp_path):
     out = tmp_path / "real.jsonl"
     arguments = ["bench", "--model", "smollm2-135m", "--methods", "ar,pld,hf", "--per-category", "1",
                  "--categories", "mt_bench,translation", "--turns", "both", "--max-new-tokens", "16",
-                 "--out", str(out)]
+                 "--dtype", "float32", "--out", str(out)]
     assert cli.main(arguments) == 0
     header, records = bench.read_results(out)
     assert header["environment"]["model_sha256"].startswith("b179c9523d0e")
+    assert header["environment"]["dtype"] == "float32" and header["environment"]["backend"] == "lean"
     assert len(records) == 3 * 3  # mt_bench turns 1 and 2, translation turn 1; three rows
     summary = bench.summarize(records)
+    # Every row, transformers' own generate included, gives ar's ids in float32.
     assert all(row["exact_match_vs_ar"] == 1.0 for row in summary["overall"].values())
     assert summary["overall"]["pld"]["time_to_first_token_s"] > 0
     written = write_report([out], tmp_path / "report")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftwise.decoding.latency import CPU_PRIOR, LatencyModel
+from draftwise.decoding.latency import GENERIC_PRIOR, LatencyModel
 
 
 def test_prior_interpolates_and_extrapolates():
@@ -13,7 +13,7 @@ def test_prior_interpolates_and_extrapolates():
     assert latency.cost(2) == pytest.approx(1.5)
     assert latency.cost(4) == pytest.approx(3.0)
     assert latency.cost(10) == pytest.approx(8.0)  # proportional beyond the last entry
-    assert LatencyModel().cost(16) == CPU_PRIOR[16]
+    assert LatencyModel().cost(16) == GENERIC_PRIOR[16]
 
 
 def test_measurements_replace_and_rescale_the_prior():

@@ -133,19 +133,41 @@ def primed_drafter(**options) -> LookaheadDrafter:
     return drafter
 
 
-def test_propose_puts_verification_first_then_columns_left_to_right():
+def token_paths(tree) -> list[tuple[int, ...]]:
+    return [tuple(tree.tokens[node] for node in tree.path_to(index)) for index in range(len(tree))]
+
+
+def test_propose_scores_the_pool_and_the_window_like_any_draft():
     drafter = primed_drafter(window=3, levels=3, guess_set=2)
     drafter._window = window_of([[10, 11], [20, 21, 22], [30, 31, 32]])
     drafter.pool.add((5, 60, 61, 62))
     drafter.pool.add((5, 70, 71, 72))
     tree = drafter.propose([7, 5], budget=100)
-    assert tree.scores is None  # the engine verifies all of it
-    paths = [tuple(tree.tokens[node] for node in tree.path_to(index)) for index in range(len(tree))]
-    assert paths[:6] == [(70,), (70, 71), (70, 71, 72), (60,), (60, 61), (60, 61, 62)]
-    assert paths[6:] == [(20,), (20, 30), (10,), (10, 21), (10, 21, 31), (10, 11), (10, 11, 22), (10, 11, 22, 32)]
-    # A budget keeps the verification branch and the nearest columns.
-    cut = drafter.propose([7, 5], budget=9)
-    assert len(cut) == 9 and cut.tokens == tree.tokens[:9]
+    # Every verification n-gram and every column of the window, each node once.
+    assert set(token_paths(tree)) == {
+        (70,), (70, 71), (70, 71, 72), (60,), (60, 61), (60, 61, 62),
+        (20,), (20, 30), (10,), (10, 21), (10, 21, 31), (10, 11), (10, 11, 22), (10, 11, 22, 32),
+    }
+    # Scored, so the engine verifies only the rows that pay; scores never grow along a path.
+    assert tree.scores is not None and all(0 < score <= 1 for score in tree.scores)
+    assert all(tree.scores[node] <= tree.scores[parent] for node, parent in enumerate(tree.parents) if parent >= 0)
+    # Before anything is learned both kinds score alike: a budget keeps the shallowest nodes, the pool's first.
+    cut = drafter.propose([7, 5], budget=5)
+    assert token_paths(cut) == [(70,), (60,), (20,), (10,), (70, 71)]
+
+
+def test_window_rows_that_never_pay_fall_behind_the_pool():
+    drafter = primed_drafter(window=3, levels=3, guess_set=2)
+    drafter._window = window_of([[10, 11], [20, 21, 22], [30, 31, 32]])
+    drafter.pool.add((5, 60, 61, 62))
+    for _ in range(30):
+        tree = drafter.propose([7, 5], budget=100)
+        pool = tree.child(-1, 60)
+        # The pool's n-gram is accepted twice over, the window never.
+        drafter.acceptance.learn_step(tree, Verification((pool, tree.child(pool, 61)), (60, 61, 9), 3), drafter._kind_of_path)
+    tree = drafter.propose([7, 5], budget=100)
+    window_scores = [tree.scores[tree.child(-1, token)] for token in (10, 20)]
+    assert tree.scores[tree.child(-1, 60)] > 2 * max(window_scores)
 
 
 def test_shared_chains_are_merged():
@@ -168,7 +190,7 @@ def test_proposals_respect_budget_and_parent_order(tiny_llama, budget):
     assert all(parent < node for node, parent in enumerate(tree.parents))
     full = drafter.propose([*prompt, 3], 1000)
     assert len(full) <= 3 + 4 * 2 + 3 * 3
-    assert tree.tokens == full.tokens[: len(tree)]
+    assert set(token_paths(tree)) <= set(token_paths(full))
 
 
 def test_observe_applies_the_jacobi_update_and_harvests():
@@ -221,8 +243,7 @@ def test_context_ngrams_seed_the_pool():
     drafter.reset([1, 2, 3, 1, 4, 5])
     tree = drafter.propose([1, 2, 3, 1, 4, 5, 1], budget=100)
     assert drafter.pool.guesses(1) == [(4, 5), (2, 3)]
-    paths = [tuple(tree.tokens[node] for node in tree.path_to(index)) for index in range(len(tree))]
-    assert paths[:4] == [(4,), (4, 5), (2,), (2, 3)]
+    assert {(4,), (4, 5), (2,), (2, 3)} <= set(token_paths(tree))
     # Later calls index only the new tokens.
     drafter.propose([1, 2, 3, 1, 4, 5, 1, 6], budget=100)
     assert drafter.pool.guesses(5) == [(1, 6)]

@@ -43,9 +43,25 @@ class Target(ABC):
 
     Attributes:
         model: the transformers model behind it (the reference: configuration, generation config, ``generate``).
+        backend: which forward runs it (``"lean"``: the engine's own, ``"transformers"``: the model's public one).
+        exact_trees: see below; cost_prior: see below.
     """
 
     model: Any
+    backend: str = ""
+    #: Whether verification rows are bitwise plain decoding's on this machine (see
+    #: :mod:`draftwise.backend.invariance`); when not, the engine verifies no drafts with this target.
+    exact_trees: bool = True
+    #: Forward seconds by row count measured on this machine (:mod:`draftwise.backend.costs`), if measured.
+    cost_prior: dict[int, float] | None = None
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        return getattr(self.model, "generation_config", None)
 
     @property
     def device(self) -> torch.device:
@@ -66,6 +82,13 @@ class Target(ABC):
     @abstractmethod
     def cache_length(self, cache: Any) -> int:
         """Committed positions in ``cache``."""
+
+    @abstractmethod
+    def prefill(
+        self, caches: Sequence[Any], prompts: Sequence[Sequence[int]], hidden_states: bool = False
+    ) -> ForwardOutput:
+        """Run each prompt on its empty cache and commit it; returns the logits (and hidden states) of each
+        prompt's last row."""
 
     @abstractmethod
     def forward(
@@ -91,6 +114,8 @@ class TransformersTarget(Target):
         model: the model (left unmodified; see :func:`draftwise.load_model` for the CPU kernels it can use).
     """
 
+    backend = "transformers"
+
     def __init__(self, model: Any) -> None:
         check_full_attention(model)
         self.model = model
@@ -101,6 +126,15 @@ class TransformersTarget(Target):
 
     def cache_length(self, cache: TreeKVCache) -> int:
         return cache.lengths[0]
+
+    def prefill(
+        self, caches: Sequence[TreeKVCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False
+    ) -> ForwardOutput:
+        blocks = [RowBlock.chain(prompt) for prompt in prompts]
+        output = self.forward(caches, blocks, last_only=True, hidden_states=hidden_states)
+        for cache, block in zip(caches, blocks):
+            self.commit(cache, range(len(block)))
+        return output
 
     def forward(
         self,

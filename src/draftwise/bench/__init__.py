@@ -8,6 +8,7 @@
 - :mod:`.report` and :mod:`.plots`: tables, a markdown report and charts.
 """
 
+from .anchors import ANCHOR_ROWS
 from .environment import PeakMemoryMeter, environment, model_digest
 from .metrics import (
     BASELINES,
@@ -23,6 +24,7 @@ from .metrics import (
 )
 from .results import OVERALL, Record, ResultsWriter, read_results, results_header, row_label, write_json
 from .run import (
+    EXTERNAL_ROWS,
     HF_ROWS,
     Benchmark,
     BenchSettings,
@@ -40,7 +42,9 @@ from .run import (
 )
 
 __all__ = [
+    "ANCHOR_ROWS",
     "BASELINES",
+    "EXTERNAL_ROWS",
     "HF_ROWS",
     "OVERALL",
     "BenchSettings",

@@ -123,6 +123,18 @@ def model_digest(name_or_path: str) -> dict[str, str | None]:
     return {"sha256": None, "sha256_of": None}
 
 
+def _row_plan(model: Any) -> dict[str, Any] | None:
+    """How a lean target pads its products and whether its draft trees are exact here (see
+    :mod:`draftwise.backend.invariance`)."""
+    if getattr(model, "backend", None) != "lean":
+        return None
+    return {
+        "linear_min_rows": model.linear_min_rows,
+        "attention_min_rows": model.attention_min_rows,
+        "exact_trees": model.exact_trees,
+    }
+
+
 def _draftwise_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -150,6 +162,8 @@ def environment(
         "model_sha256_of": digest["sha256_of"],
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "backend": getattr(model, "backend", "transformers"),
+        "row_plan": _row_plan(model),
         "threads": torch.get_num_threads(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),

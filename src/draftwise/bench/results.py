@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ..decoding.stats import GenerationStats
 from ..errors import InvalidRequestError
 
 #: The category key of the whole run in a summary.
@@ -195,3 +196,14 @@ def write_json(path: str | Path, summary: dict, records: Sequence[Record], env: 
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1))
+
+
+@dataclass
+class Measurement:
+    """What one timed run produced."""
+
+    token_ids: list[int]
+    time_s: float
+    time_to_first_token_s: float | None = None
+    stats: GenerationStats | None = None
+    peak_memory_bytes: int | None = None

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ..backend.rows import RowBlock
 from ..backend.target import Target, as_target
 from .drafter import Drafter, StepOutcome
 from .latency import LatencyModel
@@ -178,8 +177,9 @@ class Decoder:
 
     def __init__(self, target: Any, *, budget: int = DEFAULT_BUDGET, latency: LatencyModel | None = None) -> None:
         self.target: Target = as_target(target)
-        self.budget = budget
-        self.latency = latency if latency is not None else LatencyModel()
+        # A target whose verification rows are not bitwise plain decoding's here verifies no drafts.
+        self.budget = budget if self.target.exact_trees else 0
+        self.latency = latency if latency is not None else LatencyModel(prior=self.target.cost_prior)
 
     def start(
         self,
@@ -214,11 +214,9 @@ class Decoder:
             sequence.started = started
             capacity = len(sequence.context) + sequence.max_new_tokens + self.budget + 1
             sequence.cache = self.target.new_cache(capacity)
-        blocks = [RowBlock.chain(sequence.context) for sequence in sequences]
-        output = self.target.forward([sequence.cache for sequence in sequences], blocks, last_only=True)
+        output = self.target.prefill([sequence.cache for sequence in sequences], [sequence.context for sequence in sequences])
         events = []
-        for sequence, block, logits in zip(sequences, blocks, output.logits):
-            self.target.commit(sequence.cache, range(len(block)))
+        for sequence, logits in zip(sequences, output.logits):
             first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.generator)
             event = accept(sequence, first.tokens)
             now = time.perf_counter()

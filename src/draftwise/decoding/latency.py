@@ -12,25 +12,25 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-#: Relative forward time by rows, measured on a 2-core AVX2 CPU (SmolLM2-135M, float32, 400 cached tokens, with
-#: :mod:`draftwise.kernels`' linear layers). Only a starting point: measured times replace it as soon as each row count
-#: has been seen.
-CPU_PRIOR: dict[int, float] = {1: 1.0, 2: 1.0, 3: 1.09, 4: 1.05, 5: 1.25, 6: 1.45, 7: 1.57, 8: 1.52, 9: 1.8, 10: 1.9,
-                               16: 1.9, 24: 2.5, 32: 2.9, 48: 3.9, 64: 4.9}
+#: Relative forward time by rows when nothing was measured: a neutral shape (every row costs a little, more so as
+#: rows grow). Targets loaded by :func:`draftwise.load_model` come with a curve measured on the running machine
+#: (:mod:`draftwise.backend.costs`), and measured times replace either as soon as each row count has been seen.
+GENERIC_PRIOR: dict[int, float] = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 1.9, 32: 2.9, 64: 4.9}
 
 
 class LatencyModel:
     """Forward seconds per row count: exponential moving averages of measurements, a prior shape elsewhere.
 
     Args:
-        prior: relative forward time by row count (interpolated between entries).
+        prior: forward time by row count (relative or in seconds; interpolated between entries), e.g. a target's
+            measured cost curve; :data:`GENERIC_PRIOR` when ``None``.
         smoothing: weight of a new measurement in the moving average.
         stale_factor: how far above the prior's shape an estimate may sit before fresh measurements of other row
             counts pull it back.
     """
 
     def __init__(self, prior: dict[int, float] | None = None, smoothing: float = 0.25, stale_factor: float = 1.5) -> None:
-        self.prior = dict(sorted((prior or CPU_PRIOR).items()))
+        self.prior = dict(sorted((prior or GENERIC_PRIOR).items()))
         self.smoothing = smoothing
         self.stale_factor = stale_factor
         self._seconds: dict[int, float] = {}

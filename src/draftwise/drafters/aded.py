@@ -254,7 +254,7 @@ class AdedDrafter(Drafter):
                 ranks, token, node = nodes[node]
                 tokens.append(token)
                 kinds.append(("recycled", ranks[-1]))
-            paths.append((self._rates(tokens[::-1], kinds[::-1]), tokens[::-1]))
+            paths.append((self.acceptance.path_rates(tokens[::-1], kinds[::-1], self._kind_of_path), tokens[::-1]))
         return paths
 
     def _copies(self, context: Sequence[int]) -> list[tuple[list[float], list[int]]]:
@@ -263,18 +263,9 @@ class AdedDrafter(Drafter):
             return []
         self.index.extend(context)
         return [
-            (self._rates(continuation, [("copy", n)] * len(continuation)), list(continuation))
+            (self.acceptance.path_rates(continuation, [("copy", n)] * len(continuation), self._kind_of_path), list(continuation))
             for n, continuation in self.index.copies(context, self.copy_length, self.copy_matches)
         ]
-
-    def _rates(self, tokens: Sequence[int], kinds: Sequence[object]) -> list[float]:
-        """Learned acceptance rate of each token of a path (the first path to reach a prefix sets its kind)."""
-        rates = []
-        prefix: tuple[int, ...] = ()
-        for depth, (token, kind) in enumerate(zip(tokens, kinds), 1):
-            prefix = (*prefix, token)
-            rates.append(self.acceptance.rate(self._kind_of_path.setdefault(prefix, kind), depth))
-        return rates
 
     def _searched_paths(self, found: SearchTree, lookup) -> list[tuple[list[float], list[int]]]:
         """The most visited search paths, each extended by its greedy tri-gram successor, with calibrated
@@ -294,7 +285,9 @@ class AdedDrafter(Drafter):
             if successors:
                 tokens.append(successors[0])
                 probabilities.append(successor_probabilities[0])
-            scored_paths.append((self._rates(tokens, [probability_bucket(p) for p in probabilities]), tokens))
+            scored_paths.append((self.acceptance.path_rates(
+                tokens, [probability_bucket(p) for p in probabilities], self._kind_of_path
+            ), tokens))
         return scored_paths
 
     def observe(self, outcome: StepOutcome) -> None:
@@ -315,26 +308,7 @@ class AdedDrafter(Drafter):
         # sampling, the emitted token need not be the top prediction).
         if before is not None:
             self.store.add_sequence([before, root, *outcome.verification.tokens], self.learning_rate, self.cap)
-        self._learn_kinds(outcome)
-
-    def _learn_kinds(self, outcome: StepOutcome) -> None:
-        """Conditional acceptance per (kind, depth), kind = tri-gram probability bucket or copied n-gram length: at
-        each level on offer, which node was taken."""
-        tree = outcome.tree
-        accepted = outcome.verification.accepted_nodes
-        parent = ROOT
-        prefix: tuple[int, ...] = ()
-        for depth in range(1, outcome.verification.attempted + 1):
-            chosen = accepted[depth - 1] if depth - 1 < len(accepted) else None
-            for child, child_parent in enumerate(tree.parents):
-                if child_parent == parent:
-                    kind = self._kind_of_path.get((*prefix, tree.tokens[child]))
-                    if kind is not None:
-                        self.acceptance.update_one(kind, depth, child == chosen)
-            if chosen is None:
-                break
-            parent = chosen
-            prefix = (*prefix, tree.tokens[chosen])
+        self.acceptance.learn_step(tree, outcome.verification, self._kind_of_path)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the adapted store and the recycled predictions (numpy ``.npz``, the format of ``draftwise corpus

@@ -35,6 +35,7 @@ from ..decoding.drafter import Drafter, StepOutcome
 from ..decoding.tree import DraftTree
 from ..decoding.verify import greedy_choice
 from ..errors import UnsupportedOptionError
+from .stores.acceptance import AcceptanceTracker
 
 Filler = Callable[[], int]
 
@@ -206,6 +207,8 @@ class LookaheadDrafter(Drafter):
         self._random = random.Random(_check_count("seed", seed, 0))
         self._context: Sequence[int] = ()
         self._window: Window | None = None
+        self.acceptance = AcceptanceTracker()
+        self._kind_of_path: dict[tuple[int, ...], object] = {}
         self._indexed = 0  # context tokens whose n-grams are in the pool
 
     def _fill(self) -> int:
@@ -225,8 +228,15 @@ class LookaheadDrafter(Drafter):
             self._window = initial_window(self.window, self.levels, self._fill)
         if self.context_ngrams:
             self._index_context(context)
-        paths = [*self.pool.guesses(context[-1]), *self._window.column_paths()]
-        return DraftTree.from_paths(paths, budget)
+        # Scored like any draft: the pool's n-grams and the window's guesses each by their own learned acceptance,
+        # so the window's rows are verified only where they pay for themselves.
+        self._kind_of_path = {}
+        scored = [
+            (self.acceptance.path_rates(path, [kind] * len(path), self._kind_of_path), path)
+            for kind, paths in (("pool", self.pool.guesses(context[-1])), ("window", self._window.column_paths()))
+            for path in paths
+        ]
+        return DraftTree.from_scored_paths(scored, budget)
 
     def _index_context(self, context: Sequence[int]) -> None:
         """Add the n-grams that end in tokens appended since the last call."""
@@ -236,6 +246,7 @@ class LookaheadDrafter(Drafter):
         self._indexed = len(context)
 
     def observe(self, outcome: StepOutcome) -> None:
+        self.acceptance.learn_step(outcome.tree, outcome.verification, self._kind_of_path)
         window = self._window
         if window is None:
             return

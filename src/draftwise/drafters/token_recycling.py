@@ -83,25 +83,7 @@ class TokenRecyclingDrafter(Drafter):
         self.successors.observe(
             tree.row_tokens(outcome.root), tree.row_previous(outcome.root, outcome.before_root), outcome.logits
         )
-        self._learn_ranks(outcome)
-
-    def _learn_ranks(self, outcome: StepOutcome) -> None:
-        """Conditional acceptance by (rank, depth): at each level on offer, which rank (if any) was taken."""
-        tree = outcome.tree
-        accepted = outcome.verification.accepted_nodes
-        parent = ROOT
-        for depth in range(1, outcome.verification.attempted + 1):
-            chosen = accepted[depth - 1] if depth - 1 < len(accepted) else None
-            for child, child_parent in enumerate(tree.parents):
-                if child_parent != parent:
-                    continue
-                path = tuple(tree.tokens[node] for node in tree.path_to(child))
-                rank = self._rank_of_path.get(path)
-                if rank is not None:
-                    self.acceptance.update_one(rank, depth, child == chosen)
-            if chosen is None:
-                break
-            parent = chosen
+        self.acceptance.learn_step(tree, outcome.verification, self._rank_of_path)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the adjacency matrix and the pair rows (numpy ``.npz``, no pickles); acceptance estimates are

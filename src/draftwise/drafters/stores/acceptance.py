@@ -6,6 +6,9 @@ step's draft against its cost.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
 #: Prior mean acceptance at depth 1, 2, ... (conditional on the shallower tokens being accepted; the last value holds
 #: for every deeper level). A draft that has survived a few tokens tends to be a real continuation, so the conditional
 #: rate grows with depth for every method measured (e.g. prompt lookup on Spec-Bench: 0.62, 0.71, 0.79, 0.78, 0.93).
@@ -83,3 +86,34 @@ class AcceptanceTracker:
         """Record a step that offered drafts at depths 1..attempted and had depths 1..accepted accepted."""
         for depth in range(1, attempted + 1):
             self.update_one(kind, depth, depth <= accepted)
+
+    def path_rates(
+        self, tokens: Sequence[int], kinds: Sequence[object], kind_of_path: MutableMapping[tuple[int, ...], object]
+    ) -> list[float]:
+        """The estimated conditional acceptance of each token of a draft path whose tokens are of ``kinds``; the
+        first path to reach a token prefix sets its kind (recorded in ``kind_of_path`` for :meth:`learn_step`)."""
+        rates = []
+        prefix: tuple[int, ...] = ()
+        for depth, (token, kind) in enumerate(zip(tokens, kinds), 1):
+            prefix = (*prefix, int(token))
+            rates.append(self.rate(kind_of_path.setdefault(prefix, kind), depth))
+        return rates
+
+    def learn_step(self, tree: Any, verification: Any, kind_of_path: MutableMapping[tuple[int, ...], object]) -> None:
+        """Learn from a verified tree: at each level the walk reached with drafts on offer, every node offered there
+        (a child of the accepted path's last node) counts as accepted or not under its kind, looked up by its token
+        path in ``kind_of_path`` (nodes without a kind are skipped)."""
+        accepted = verification.accepted_nodes
+        parent = -1
+        prefix: tuple[int, ...] = ()
+        for depth in range(1, verification.attempted + 1):
+            chosen = accepted[depth - 1] if depth - 1 < len(accepted) else None
+            for child, child_parent in enumerate(tree.parents):
+                if child_parent == parent:
+                    kind = kind_of_path.get((*prefix, tree.tokens[child]))
+                    if kind is not None:
+                        self.update_one(kind, depth, child == chosen)
+            if chosen is None:
+                break
+            parent = chosen
+            prefix = (*prefix, tree.tokens[chosen])

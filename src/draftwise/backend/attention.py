@@ -1,0 +1,182 @@
+"""Attention whose result for a row does not depend on which other rows share the forward.
+
+A verification forward computes many rows at once: the last emitted token and the draft nodes below it. For its
+output to be exactly what plain decoding computes one row at a time, every row's attention must be the same
+arithmetic, in the same order, whatever the rest of the forward holds. Library attention kernels do not promise
+that: their results move with the number of query rows, the number of keys (masked ones included) and where the
+visible keys sit in the buffer, so a draft node whose ancestors are scattered among its siblings' slots gets a
+slightly different result than the same position in plain decoding.
+
+Here a row's attention is defined canonically, as a function of its own position ``p`` alone:
+
+- the keys are the row's sequence at positions ``0..p``, cut into blocks of ``block`` positions aligned to
+  position 0 (block ``b`` holds positions ``b * block .. (b + 1) * block - 1``; positions after ``p`` are masked);
+- each block's scores, exponentials and value sums are computed by fixed-shape products (``block`` keys, one head
+  group of query rows), with ``m`` the row's maximum score over all its positions (a maximum is exact in any order);
+- the blocks' sums are added in block order by a sequential scan.
+
+Blocks below the committed length are the same for every row of a sequence: they are read in place from the cache
+and computed for all rows in one product (``shared`` blocks). Blocks from there on hold each row's own ancestors:
+their keys are gathered per row (``tail`` blocks). The two kinds run through the same shaped products, so a block
+gives the same numbers whichever kind it is; and masked positions contribute exact zeros. Whether the machine's
+matrix kernels really give a row the same result whatever the number of rows is measured, not assumed
+(:mod:`draftwise.backend.invariance`): products are padded to a row count from which they do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TailLayout:
+    """Where each row's keys come from, for one verification forward of one sequence.
+
+    Attributes:
+        length: committed positions in the cache.
+        shared_blocks: full blocks below ``length`` (read in place: positions ``0 .. shared_blocks * block``).
+        tail_blocks: blocks per row from there on.
+        gather: ``(kv_heads * rows * tail_blocks * block,)`` row of the flattened block-major cache
+            (``(blocks * kv_heads * block, head_dim)``) holding each tail position of each row, per key/value head.
+        masked: ``(rows, tail_blocks * block)`` positions a row must not see (after it, or padding).
+    """
+
+    length: int
+    shared_blocks: int
+    tail_blocks: int
+    gather: torch.Tensor
+    masked: torch.Tensor
+
+
+def tail_layout(
+    length: int, parents: Sequence[int], block: int, kv_heads: int, device: torch.device | str = "cpu"
+) -> TailLayout:
+    """The key layout of rows with ``parents`` (see :mod:`draftwise.backend.rows`) written at cache slots
+    ``length, length + 1, ...``: each row's path from its first ancestor down to itself, at its positions, in a
+    block-major cache of ``kv_heads`` heads."""
+    rows = len(parents)
+    paths: list[list[int]] = []
+    for row, parent in enumerate(parents):
+        paths.append([row] if parent < 0 else [*paths[parent], row])
+    shared_blocks = length // block
+    start = shared_blocks * block
+    committed = length - start
+    deepest = max(len(path) for path in paths)
+    tail_blocks = -(-(committed + deepest) // block)
+    width = tail_blocks * block
+    slots = np.zeros((rows, width), dtype=np.int64)
+    visible = np.zeros((rows, width), dtype=bool)
+    slots[:, :committed] = np.arange(start, length)
+    visible[:, :committed] = True
+    for row, path in enumerate(paths):
+        slots[row, committed : committed + len(path)] = np.asarray(path) + length
+        visible[row, committed : committed + len(path)] = True
+    heads = np.arange(kv_heads)[:, None, None]
+    gather = (slots // block)[None] * (kv_heads * block) + heads * block + (slots % block)[None]
+    return TailLayout(
+        length,
+        shared_blocks,
+        tail_blocks,
+        torch.from_numpy(gather.reshape(-1)).to(device),
+        torch.from_numpy(~visible).to(device),
+    )
+
+
+def pad_rows(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended along ``dim`` up to ``rows`` (unchanged when it has as many)."""
+    missing = rows - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+
+
+def block_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: TailLayout,
+    min_rows: int = 1,
+) -> torch.Tensor:
+    """Canonical attention of ``query`` rows over their own keys (see the module docstring).
+
+    Args:
+        query: ``(rows, kv_heads, group, head_dim)``, already scaled and rotated.
+        keys, values: the sequence's cache of one layer in blocks, ``(blocks, kv_heads, block, head_dim)``, holding
+            the committed positions and this forward's rows at ``layout.length ..``.
+        layout: where each row's keys come from.
+        min_rows: products are padded to at least this many query rows (the machine's invariant row count).
+
+    Returns:
+        ``(rows, kv_heads * group * head_dim)`` in the query's dtype.
+    """
+    rows, kv_heads, group, head_dim = query.shape
+    block = keys.shape[2]
+    dtype = query.dtype
+    tail = layout.tail_blocks
+    grouped = query.permute(1, 0, 2, 3)  # (kv, rows, group, dim)
+
+    # Tail blocks: each row's own keys, products of one row's head group at a time.
+    tail_keys = keys.view(-1, head_dim).index_select(0, layout.gather).view(-1, block, head_dim)
+    tail_values = values.view(-1, head_dim).index_select(0, layout.gather).view(-1, block, head_dim)
+    tail_rows = max(group, min_rows)
+    tail_query = pad_rows(grouped, 2, tail_rows)[:, :, None]  # (kv, rows, 1, tail_rows, dim)
+    tail_query = tail_query.expand(kv_heads, rows, tail, tail_rows, head_dim).reshape(-1, tail_rows, head_dim)
+    tail_scores = torch.bmm(tail_query, tail_keys.transpose(1, 2)).float()
+    tail_scores = tail_scores.view(kv_heads, rows, tail, tail_rows, block)
+    tail_scores = tail_scores.masked_fill(layout.masked.view(1, rows, tail, 1, block), float("-inf"))
+    maximum = tail_scores.amax(dim=(2, 4))[:, :, :group]  # (kv, rows, group)
+
+    # Shared blocks: every row sees all of them; all rows' queries in one product per block and head.
+    shared = layout.shared_blocks
+    if shared:
+        shared_rows = max(rows * group, min_rows)
+        shared_query = pad_rows(grouped.reshape(kv_heads, rows * group, head_dim), 1, shared_rows)
+        shared_query = shared_query[None].expand(shared, kv_heads, shared_rows, head_dim).reshape(-1, shared_rows, head_dim)
+        shared_keys = keys[:shared].view(shared * kv_heads, block, head_dim)
+        shared_scores = torch.bmm(shared_query, shared_keys.transpose(1, 2)).float()
+        shared_scores = shared_scores.view(shared, kv_heads, shared_rows, block)
+        shared_maximum = shared_scores[:, :, : rows * group].amax(dim=(0, 3)).view(kv_heads, rows, group)
+        maximum = torch.maximum(maximum, shared_maximum)
+
+    tail_weights = torch.exp(tail_scores - pad_rows(maximum, 2, tail_rows)[:, :, None, :, None])
+    tail_sums = torch.bmm(tail_weights.to(dtype).view(-1, tail_rows, block), tail_values)
+    tail_sums = tail_sums.float().view(kv_heads, rows, tail, tail_rows, head_dim)[:, :, :, :group]
+    block_sums = tail_sums.transpose(2, 3)  # (kv, rows, group, tail blocks, dim)
+    block_totals = tail_weights.sum(-1)[:, :, :, :group].transpose(2, 3)  # (kv, rows, group, tail blocks)
+    if shared:
+        flat_maximum = pad_rows(maximum.reshape(kv_heads, rows * group), 1, shared_rows)
+        shared_weights = torch.exp(shared_scores - flat_maximum[None, :, :, None])
+        shared_sums = torch.bmm(
+            shared_weights.to(dtype).view(-1, shared_rows, block), values[:shared].view(shared * kv_heads, block, head_dim)
+        ).float().view(shared, kv_heads, shared_rows, head_dim)[:, :, : rows * group]
+        shared_totals = shared_weights.sum(-1)[:, :, : rows * group]
+        shared_sums = shared_sums.view(shared, kv_heads, rows, group, head_dim).permute(1, 2, 3, 0, 4)
+        shared_totals = shared_totals.view(shared, kv_heads, rows, group).permute(1, 2, 3, 0)
+        block_sums = torch.cat([shared_sums, block_sums], 3)
+        block_totals = torch.cat([shared_totals, block_totals], 3)
+    # Blocks are added in order, one after the other: the same additions whoever else is in the forward.
+    total = block_sums.cumsum(3)[:, :, :, -1]
+    weight = block_totals.cumsum(3)[:, :, :, -1]
+    output = (total / weight[..., None]).to(dtype)  # (kv, rows, group, dim)
+    return output.permute(1, 0, 2, 3).reshape(rows, kv_heads * group * head_dim)
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention of a prompt over itself (the prefill, shared by plain and speculative decoding alike).
+
+    Args:
+        query: ``(rows, heads, head_dim)``, scaled and rotated; keys and values ``(rows, kv_heads, head_dim)``.
+    """
+    rows, heads, head_dim = query.shape
+    output = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        is_causal=True, scale=1.0, enable_gqa=True,
+    )
+    return output[0].transpose(0, 1).reshape(rows, heads * head_dim)

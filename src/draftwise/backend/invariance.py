@@ -1,0 +1,299 @@
+"""Batch invariance, measured on the running machine.
+
+A verification row is only as exact as the kernels under it: the same row must come out of a product with the same
+bits whether the product has 1, 3 or 40 rows. Whether a kernel does depends on the library and the CPU (on one
+machine a float32 product changes its rounding at 1, 2, 4, 8 and 12 rows, bfloat16 only at 1, oneDNN's packed
+products never beyond 1), so nothing here is assumed:
+
+- :func:`min_invariant_rows` finds the smallest row count from which a kernel gives every row the same result for
+  every larger count it is checked at (each row compared whole, with ``torch.equal``);
+- :func:`check_trees` runs the model itself: plain one-row decoding, then random draft trees around the true
+  continuation at many cache lengths, and compares every verification row with the plain row bit for bit;
+- :func:`plan_rows` sets a lean target's padding from the first, confirms it with the second, pads more if needed
+  and, if no padding is exact, turns draft trees off for that target (exact, just not faster) and says so. The
+  result is kept per machine, library version, thread count, dtype and model shape.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .machine import MeasurementStore, machine_key
+from .rows import RowBlock
+
+#: Row counts a kernel may be padded to, smallest first.
+CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
+#: Row counts every candidate is checked at (those at or above it), beyond the candidate itself.
+SAMPLE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 31, 32, 33, 47, 48, 63, 64, 65, 96, 130, 195)
+#: Paddings tried after the measured one, in order, while whole forwards are not exact (each raised to at least
+#: the measured one).
+ESCALATION = ((2, 1), (4, 1), (2, 12), (4, 16), (16, 32))
+PLAN_VERSION = 1
+
+
+def min_invariant_rows(run: Callable[[int], torch.Tensor], max_rows: int, candidates: Sequence[int] = CANDIDATE_MIN_ROWS) -> int | None:
+    """The smallest candidate ``c`` such that ``run(m)`` (the first ``m`` rows of one fixed input through a kernel)
+    equals the first ``m`` rows of ``run(max_rows)`` for every checked ``m >= c``; ``None`` if no candidate does."""
+    reference = run(max_rows)
+    results: dict[int, bool] = {}
+
+    def agrees(rows: int) -> bool:
+        if rows not in results:
+            results[rows] = torch.equal(run(rows), reference[:rows])
+        return results[rows]
+
+    for candidate in candidates:
+        checked = sorted({candidate, *(rows for rows in SAMPLE_ROWS if candidate <= rows <= max_rows)})
+        if all(agrees(rows) for rows in checked):
+            return candidate
+    return None
+
+
+def _min_rows_over(runs: Sequence[Callable[[int], torch.Tensor]], max_rows: int) -> int | None:
+    found = [min_invariant_rows(run, max_rows) for run in runs]
+    return None if None in found else max(found, default=1)
+
+
+def probe_linear_rows(target: Any, max_rows: int = 72, seeds: Sequence[int] = (0, 1)) -> int | None:
+    """The row count the target's linear products are invariant from (each distinct kind, two random inputs)."""
+    layer = target.layers[0]
+    runs = []
+    for linear in (layer.qkv, layer.output, layer.gate_up, layer.down, target.head):
+        for seed in seeds:
+            generator = torch.Generator().manual_seed(seed)
+            inputs = torch.randn(max_rows, linear.in_features, generator=generator).to(target.dtype).to(target.device)
+            runs.append(lambda rows, linear=linear, inputs=inputs: _raw(linear, inputs[:rows]))
+    return _min_rows_over(runs, max_rows)
+
+
+def _raw(linear: Any, inputs: torch.Tensor) -> torch.Tensor:
+    """The kernel itself, without the padding a row plan adds."""
+    saved, linear.min_rows = linear.min_rows, 1
+    try:
+        return linear(inputs)
+    finally:
+        linear.min_rows = saved
+
+
+def probe_attention_rows(target: Any, max_rows: int | None = None, seeds: Sequence[int] = (0, 1)) -> int | None:
+    """The row count attention's two products (scores, and weighted values over one block) are invariant from."""
+    head_dim, block = target.head_dim, target.block
+    max_rows = max_rows or 65 * target.group
+    runs = []
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+
+        def make(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(target.dtype).to(target.device)
+
+        queries, keys = make(3, max_rows, head_dim), make(3, head_dim, block)
+        weights, values = make(3, max_rows, block).abs(), make(3, block, head_dim)
+        runs.append(lambda rows, q=queries, k=keys: torch.bmm(q[:, :rows], k).transpose(0, 1))
+        runs.append(lambda rows, w=weights, v=values: torch.bmm(w[:, :rows], v).transpose(0, 1))
+    return _min_rows_over(runs, max_rows)
+
+
+@dataclass
+class InvarianceReport:
+    """What :func:`check_trees` found.
+
+    Attributes:
+        rows_checked: verification rows compared with plain decoding.
+        mismatches: descriptions of the rows that differed (empty when exact).
+    """
+
+    rows_checked: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.rows_checked > 0 and not self.mismatches
+
+
+@torch.inference_mode()
+def check_trees(
+    target: Any, trials: int = 12, steps: int = 40, prompt_length: int = 90, seed: int = 0
+) -> InvarianceReport:
+    """Compare verification rows with plain one-row decoding, bit for bit, on the target itself.
+
+    A random prompt is prefilled and decoded greedily ``steps`` tokens, one row per forward. Then, ``trials`` times
+    at a random point of that continuation, a tree holding the true next tokens among random siblings (in random
+    order, so that ancestors sit among other nodes) is verified on a cache of that length; every row on the true
+    path must equal the plain row at its position.
+    """
+    rng = random.Random(seed)
+    vocab = target.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(prompt_length)]
+    cache = target.new_cache(prompt_length + steps + 80)
+    first = target.prefill([cache], [prompt]).logits[0][-1]
+    generated = [int(torch.argmax(first))]
+    plain: list[torch.Tensor] = []
+    for _ in range(steps):
+        logits = target.forward([cache], [RowBlock.chain([generated[-1]])]).logits[0][0]
+        target.commit(cache, [0])
+        plain.append(logits)
+        generated.append(int(torch.argmax(logits)))
+    report = InvarianceReport()
+    for trial in range(trials):
+        start = rng.randrange(0, steps - 1)
+        depth = rng.randint(1, min(8, steps - start - 1))
+        truth = generated[start + 1 : start + 1 + depth]
+        paths = [truth]
+        for level in range(depth):
+            for _ in range(rng.randint(0, 3)):
+                paths.append([*truth[:level], rng.randrange(vocab), *(rng.randrange(vocab) for _ in range(rng.randint(0, 2)))])
+        rng.shuffle(paths)
+        rows, parents, index = [generated[start]], [-1], {(): 0}
+        for path in paths:
+            for level in range(len(path)):
+                key = tuple(path[: level + 1])
+                if key not in index:
+                    index[key] = len(rows)
+                    rows.append(path[level])
+                    parents.append(index[key[:-1]])
+        trial_cache = target.new_cache(prompt_length + steps + 80)
+        target.prefill([trial_cache], [prompt])
+        if start:
+            target.forward([trial_cache], [RowBlock.chain(generated[:start])])
+            target.commit(trial_cache, range(start))
+        logits = target.forward([trial_cache], [RowBlock(tuple(rows), tuple(parents))]).logits[0]
+        for level in range(depth + 1):
+            row = index[tuple(truth[:level])]
+            report.rows_checked += 1
+            if not torch.equal(logits[row], plain[start + level]):
+                difference = float((logits[row].float() - plain[start + level].float()).abs().max())
+                report.mismatches.append(
+                    f"trial {trial}: tree of {len(rows)} rows at cache length {prompt_length + start}, depth {level}: "
+                    f"max difference {difference:.2e}"
+                )
+    return report
+
+
+def model_shape(target: Any) -> dict[str, Any]:
+    config = target.config
+    return {
+        "type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "intermediate": config.intermediate_size,
+        "vocab": config.vocab_size,
+        "packed": getattr(target, "packed", None),
+        "block": getattr(target, "block", None),
+    }
+
+
+@dataclass
+class RowPlan:
+    """How a lean target pads its products, and whether that makes draft trees exact on this machine.
+
+    Attributes:
+        linear_min_rows, attention_min_rows: the paddings.
+        exact: whether the end-to-end check passed with them (if not, the target verifies no drafts).
+        report: the check's findings.
+    """
+
+    linear_min_rows: int
+    attention_min_rows: int
+    exact: bool
+    report: InvarianceReport | None = None
+
+
+def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 12) -> RowPlan:
+    """Measure (or recall) the paddings that make ``target``'s verification rows exact, and apply them.
+
+    Padding more is tried when the measured one still lets a whole forward differ; if none is exact, draft trees are
+    turned off for the target (``target.exact_trees = False``) with a warning: generation stays exact, at the speed
+    of plain decoding.
+    """
+    store = store if store is not None else MeasurementStore()
+    key = machine_key(target.device, target.dtype, model_shape(target))
+    saved = store.load(key).get("row_plan")
+    if saved and saved.get("version") == PLAN_VERSION:
+        plan = RowPlan(saved["linear_min_rows"], saved["attention_min_rows"], saved["exact"])
+        _apply(target, plan)
+        return plan
+    linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
+    attention = probe_attention_rows(target) or CANDIDATE_MIN_ROWS[-1]
+    plan = RowPlan(linear, attention, False)
+    ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]
+    for linear_rows, attention_rows in dict.fromkeys(ladder):
+        plan = RowPlan(linear_rows, attention_rows, False)
+        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
+        plan.report = check_trees(target, trials=trials)
+        plan.exact = plan.report.exact
+        if plan.exact:
+            break
+    if plan.exact:
+        plan = _fastest_padding(target, plan, trials)
+    _apply(target, plan)
+    record = store.load(key)
+    record["row_plan"] = {
+        "version": PLAN_VERSION,
+        "linear_min_rows": plan.linear_min_rows,
+        "attention_min_rows": plan.attention_min_rows,
+        "exact": plan.exact,
+    }
+    store.save(key, record)
+    return plan
+
+
+#: Larger linear paddings tried for speed once a plan is exact (a matrix-vector kernel can be slower than a
+#: few-row product: on one CPU padding 1 row to 4 made the linear layers 10% faster).
+SPEED_PADDINGS = (2, 4, 8)
+
+
+@torch.inference_mode()
+def _one_row_seconds(target: Any, repeats: int = 7) -> float:
+    """Median seconds of a one-row forward over a short cache (what plain decoding pays per token)."""
+    import statistics
+    import time
+
+    cache = target.new_cache(160)
+    target.prefill([cache], [[3] * 128])
+    block = RowBlock.chain([5])
+    target.forward([cache], [block])
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.forward([cache], [block])
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def _fastest_padding(target: Any, plan: RowPlan, trials: int) -> RowPlan:
+    """Among exact linear paddings, the one whose one-row forward is fastest (checked exact again if it changes)."""
+    timings = {}
+    for rows in sorted({plan.linear_min_rows, *(rows for rows in SPEED_PADDINGS if rows > plan.linear_min_rows)}):
+        target.set_row_plan(rows, plan.attention_min_rows)
+        timings[rows] = _one_row_seconds(target)
+    best = min(timings, key=lambda rows: (timings[rows], rows))
+    if best == plan.linear_min_rows:
+        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
+        return plan
+    target.set_row_plan(best, plan.attention_min_rows)
+    report = check_trees(target, trials=trials)
+    if not report.exact:
+        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
+        return plan
+    return RowPlan(best, plan.attention_min_rows, True, report)
+
+
+def _apply(target: Any, plan: RowPlan) -> None:
+    target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
+    target.exact_trees = plan.exact
+    if not plan.exact:
+        warnings.warn(
+            "draft verification is not bitwise exact on this machine with any padding tried; drafting is off for "
+            f"this model in {target.dtype} (generation stays exact, at plain decoding's speed). Run `draftwise "
+            "doctor` for details.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

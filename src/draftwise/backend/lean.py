@@ -1,0 +1,310 @@
+"""The engine's own forward for llama- and qwen2-family models, written for verification.
+
+transformers stays the loader and the reference: the weights are taken from its model once (query, key and value
+projections fused into one product, gate and up projections into another; packed for oneDNN on CPUs), and its
+forward is what the tests compare against. What this forward adds:
+
+- **rows of any tree in one pass**, each with its own position and ancestors (:mod:`draftwise.backend.attention`);
+- **a static KV cache per sequence** (preallocated buffers; a step writes its rows after the committed length and
+  only the accepted rows are compacted into place, so a rejected draft costs nothing);
+- **batch invariance**: every row of a verification forward is bitwise what plain one-row decoding computes at the
+  same position, in every dtype, because every product runs at a row count the machine's kernels are invariant at
+  and attention is computed in position-aligned blocks (:mod:`draftwise.backend.invariance` measures both);
+- **few operations per layer**, so a one-row step is close to the cost of reading the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedModelError
+from .attention import block_attention, causal_attention, tail_layout
+from .cache import check_full_attention
+from .linear import Linear, packing_available
+from .rows import RowBlock
+from .target import ForwardOutput, Target
+
+#: Model families this forward implements.
+FAMILIES = ("llama", "qwen2")
+#: Positions per attention block (see :mod:`draftwise.backend.attention`).
+BLOCK = 64
+
+
+@dataclass
+class LeanLayer:
+    """One decoder layer's weights."""
+
+    attention_norm: torch.Tensor
+    qkv: Linear
+    output: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class LeanCache:
+    """Keys and values of one sequence, in blocks of positions: ``(layers, blocks, kv_heads, block, head_dim)``
+    buffers (block-major, so that attention reads whole blocks in place), grown when needed.
+
+    Positions ``0 .. length - 1`` are committed; a forward writes its rows after them and :meth:`LeanTarget.commit`
+    moves the accepted ones into place.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block: int, capacity: int, dtype, device) -> None:
+        blocks = -(-capacity // block)
+        shape = (layers, blocks, kv_heads, block, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.block = block
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1] * self.block
+
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` positions (doubling, so growth is rare)."""
+        if needed <= self.capacity:
+            return
+        blocks = max(-(-needed // self.block), 2 * self.keys.shape[1])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], blocks, *old.shape[2:]))
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+    def move(self, sources: torch.Tensor, start: int) -> None:
+        """Copy the positions ``sources`` of every layer to ``start, start + 1, ...`` (sources read first)."""
+        targets = torch.arange(start, start + sources.shape[0], device=sources.device)
+        for buffer in (self.keys, self.values):
+            buffer[:, targets // self.block, :, targets % self.block] = buffer[
+                :, sources // self.block, :, sources % self.block
+            ]
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why the lean forward cannot run ``model`` (``None`` when it can)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} (the lean forward runs {', '.join(FAMILIES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        return f"rope type {rope_type!r}"
+    try:
+        check_full_attention(model)
+    except UnsupportedModelError as error:
+        return str(error)
+    return None
+
+
+def rope_theta(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        return float(rope["rope_theta"])
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+class LeanTarget(Target):
+    """A llama- or qwen2-family model run by the engine's own forward (see the module docstring).
+
+    Args:
+        model: the transformers model whose weights are used (it stays the reference).
+        linear_min_rows: products are padded to at least this many rows (measured by
+            :func:`draftwise.backend.invariance.plan_rows`; 1 until then).
+        attention_min_rows: the same for attention's products.
+        packed: pack weights for oneDNN (default: where available).
+    """
+
+    backend = "lean"
+
+    def __init__(
+        self,
+        model: Any,
+        linear_min_rows: int = 1,
+        attention_min_rows: int = 1,
+        packed: bool | None = None,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise UnsupportedModelError(f"the lean forward cannot run this model: {reason}")
+        self.model = model
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.group = self.heads // self.kv_heads
+        self.eps = float(config.rms_norm_eps)
+        self.intermediate = config.intermediate_size
+        self.block = BLOCK
+        self.attention_min_rows = attention_min_rows
+        device, dtype = model.device, model.dtype
+        self.packed = packing_available(dtype, device) if packed is None else packed
+        self.layers = [self._layer(layer, linear_min_rows) for layer in model.model.layers]
+        self.embedding = model.model.embed_tokens.weight.detach()
+        self.norm = model.model.norm.weight.detach()
+        head = model.get_output_embeddings()
+        self.head = self._linear(head.weight, head.bias, linear_min_rows)
+        inverse = 1.0 / (
+            rope_theta(config) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
+        )
+        angles = torch.outer(torch.arange(self.context_length, dtype=torch.float32, device=device), inverse)
+        angles = torch.cat([angles, angles], -1)
+        # As transformers does: the table in float32, cast to the model's dtype. rotate_half(x) * sin equals
+        # roll(x, half) * sin with the first half of sin negated: one roll instead of two slices, a negation and a cat.
+        self.cos = angles.cos().to(dtype)
+        sin = angles.sin()
+        half = self.head_dim // 2
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> Linear:
+        return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed, min_rows)
+
+    def _layer(self, layer: Any, min_rows: int) -> LeanLayer:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        biases = [projection.bias for projection in projections]
+        qkv_bias = None
+        if any(bias is not None for bias in biases):
+            qkv_bias = torch.cat([
+                bias.detach() if bias is not None else projection.weight.new_zeros(projection.out_features)
+                for bias, projection in zip(biases, projections)
+            ])
+        gate_up_bias = None
+        if mlp.gate_proj.bias is not None:
+            gate_up_bias = torch.cat([mlp.gate_proj.bias.detach(), mlp.up_proj.bias.detach()])
+        return LeanLayer(
+            attention_norm=layer.input_layernorm.weight.detach(),
+            qkv=self._linear(torch.cat([projection.weight.detach() for projection in projections]), qkv_bias, min_rows),
+            output=self._linear(attention.o_proj.weight, attention.o_proj.bias, min_rows),
+            mlp_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=self._linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), gate_up_bias, min_rows),
+            down=self._linear(mlp.down_proj.weight, mlp.down_proj.bias, min_rows),
+        )
+
+    @property
+    def linear_min_rows(self) -> int:
+        return self.head.min_rows
+
+    def set_row_plan(self, linear_min_rows: int, attention_min_rows: int) -> None:
+        """Pad products to these row counts (see :mod:`draftwise.backend.invariance`)."""
+        for layer in self.layers:
+            for linear in (layer.qkv, layer.output, layer.gate_up, layer.down):
+                linear.min_rows = linear_min_rows
+        self.head.min_rows = linear_min_rows
+        self.attention_min_rows = attention_min_rows
+
+    # ----------------------------------------------------------------------------------------------- cache
+
+    def new_cache(self, capacity: int) -> LeanCache:
+        return LeanCache(
+            len(self.layers), self.kv_heads, self.head_dim, self.block, capacity + self.block, self.dtype, self.device
+        )
+
+    def cache_length(self, cache: LeanCache) -> int:
+        return cache.length
+
+    def commit(self, cache: LeanCache, rows: Sequence[int]) -> None:
+        rows = list(rows)
+        start = cache.length
+        if rows != list(range(len(rows))):
+            cache.move(torch.tensor([start + row for row in rows], device=self.device), start)
+        cache.length = start + len(rows)
+
+    # --------------------------------------------------------------------------------------------- forward
+
+    def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' order: in float32, scaled, cast back, then weighted.
+        hidden32 = hidden.float()
+        hidden32 = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * hidden32.to(hidden.dtype)
+
+    def _rotate(self, states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        return states * cos + torch.roll(states, self.head_dim // 2, -1) * signed_sin
+
+    def _run(self, cache: LeanCache, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers over ``tokens`` at ``positions``, written into ``cache`` after its length;
+        ``attend(layer index, queries, keys, values)`` does attention (given this forward's own keys and values too).
+        Returns the final normed hidden states."""
+        rows = tokens.shape[0]
+        start = cache.length
+        cache.reserve(start + rows)
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        cos = self.cos[positions][:, None]
+        sin = self.signed_sin[positions][:, None]
+        slots = torch.arange(start, start + rows, device=self.device)
+        slot_blocks, slot_offsets = slots // self.block, slots % self.block
+        hidden = self.embedding[tokens]
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
+            query_key = self._rotate(qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin)
+            queries = query_key[:, :heads] * self.scale
+            keys = query_key[:, heads:]
+            values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+            cache.keys[index, slot_blocks, :, slot_offsets] = keys
+            cache.values[index, slot_blocks, :, slot_offsets] = values
+            hidden = hidden + layer.output(attend(index, queries, keys, values))
+            gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
+            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+            hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
+        return self._rms_norm(hidden, self.norm)
+
+    def prefill(self, caches: Sequence[LeanCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False) -> ForwardOutput:
+        logits, hidden = [], []
+        for cache, prompt in zip(caches, prompts):
+            if cache.length:
+                raise ValueError("prefill needs an empty cache")
+            tokens = torch.tensor(list(prompt), dtype=torch.long, device=self.device)
+            rows = len(prompt)
+            positions = torch.arange(rows, device=self.device)
+
+            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                return causal_attention(queries, keys, values)
+
+            states = self._run(cache, tokens, positions, attend)[-1:]
+            cache.length = rows
+            logits.append(self.head(states))
+            hidden.append(states)
+        return ForwardOutput(logits, hidden if hidden_states else None)
+
+    def forward(
+        self,
+        caches: Sequence[LeanCache],
+        blocks: Sequence[RowBlock],
+        *,
+        last_only: bool = False,
+        hidden_states: bool = False,
+    ) -> ForwardOutput:
+        logits, hidden = [], []
+        for cache, block in zip(caches, blocks):
+            length = cache.length
+            layout = tail_layout(length, block.parents, self.block, self.kv_heads, self.device)
+            tokens = torch.tensor(block.tokens, dtype=torch.long, device=self.device)
+            positions = torch.tensor(block.depths, dtype=torch.long, device=self.device) + length
+            rows = len(block)
+
+            def attend(
+                index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: LeanCache = cache
+            ) -> torch.Tensor:
+                return block_attention(
+                    queries.view(rows, self.kv_heads, self.group, self.head_dim),
+                    cache.keys[index],
+                    cache.values[index],
+                    layout,
+                    self.attention_min_rows,
+                )
+
+            states = self._run(cache, tokens, positions, attend)
+            if last_only:
+                states = states[-1:]
+            logits.append(self.head(states))
+            hidden.append(states)
+        return ForwardOutput(logits, hidden if hidden_states else None)

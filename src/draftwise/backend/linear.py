@@ -1,0 +1,57 @@
+"""Matrix products whose result for a row does not depend on how many rows share the product.
+
+Matrix kernels pick their algorithm by the shape of the call: on these CPUs a one-row product (a matrix-vector
+kernel) rounds differently from a two-row one, and some libraries switch again at 4, 8 or 12 rows. Each kind of
+product here is padded to a *minimum row count* from which the machine's kernel gives every row the same bits
+whatever the number of rows; that count is measured on the running machine (:mod:`draftwise.backend.invariance`).
+
+On CPUs with oneDNN, the weights are also packed once into oneDNN's blocked layout (the layout PyTorch's own
+compiler freezes weights into): a few-row product then streams the weights about twice as fast as ``F.linear``, and
+its results do not depend on the row count beyond one row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN can pack weights of ``dtype`` on ``device`` (CPUs with oneDNN; not every CPU packs fp16)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.zeros(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe, 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` over rows, padded to at least :attr:`min_rows` rows.
+
+    Args:
+        weight: ``(out_features, in_features)``.
+        bias: ``(out_features,)`` or ``None``.
+        packed: pack the weight for oneDNN (see :func:`packing_available`).
+        min_rows: the row count from which the kernel is row-count invariant on this machine.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, min_rows: int = 1) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.packed = packed
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.min_rows = min_rows
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        rows = inputs.shape[0]
+        if rows < self.min_rows:
+            inputs = torch.cat([inputs, inputs.new_zeros(self.min_rows - rows, self.in_features)])
+        if self.packed:
+            output = torch.ops.mkldnn._linear_pointwise(inputs, self.weight, self.bias, "none", [], "")
+        else:
+            output = F.linear(inputs, self.weight, self.bias)
+        return output[:rows] if rows < self.min_rows else output

@@ -1,0 +1,116 @@
+"""``draftwise doctor``: what this machine does with a model, measured afresh.
+
+For each dtype asked for: which forward runs the model, the padding that makes verification rows bitwise plain
+decoding's here (measured, not recalled), a thorough check of that exactness on the model itself, and the forward's
+cost by row count.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backend.costs import cost_curve
+from .backend.invariance import InvarianceReport, check_trees, plan_rows
+from .backend.machine import MeasurementStore, auto_dtype, cpu_flags, cpu_model, native_bf16, resolve_dtype
+from .models import DEFAULT_MODEL, load_model
+
+
+@dataclass
+class DtypeDiagnosis:
+    """What was measured for one dtype."""
+
+    dtype: str
+    backend: str
+    linear_min_rows: int | None
+    attention_min_rows: int | None
+    exact_trees: bool
+    report: InvarianceReport
+    cost_ms: dict[int, float]
+
+
+@dataclass
+class Diagnosis:
+    """The machine and what it does with one model."""
+
+    model: str
+    cpu: str
+    native_bf16: bool
+    auto_dtype: str
+    torch: str
+    threads: int
+    dtypes: list[DtypeDiagnosis] = field(default_factory=list)
+
+
+def diagnose(
+    name_or_path: str = DEFAULT_MODEL,
+    dtypes: Sequence[str] = ("auto",),
+    device: str = "cpu",
+    cache_dir: str | None = None,
+    backend: str = "auto",
+    trials: int = 40,
+) -> Diagnosis:
+    """Measure, afresh and without touching the kept measurements, how ``name_or_path`` runs on this machine in
+    each of ``dtypes``."""
+    diagnosis = Diagnosis(
+        model=name_or_path,
+        cpu=cpu_model() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
+        native_bf16=native_bf16(device),
+        auto_dtype=str(auto_dtype(device)).removeprefix("torch."),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
+    for name in dict.fromkeys(str(resolve_dtype(dtype, device)).removeprefix("torch.") for dtype in dtypes):
+        target, _ = load_model(
+            name_or_path, dtype=name, device=device, cache_dir=cache_dir, backend=backend, calibrate=False
+        )
+        with tempfile.TemporaryDirectory() as scratch:
+            store = MeasurementStore(Path(scratch))
+            if target.backend == "lean":
+                plan_rows(target, store)
+            report = check_trees(target, trials=trials, steps=120, prompt_length=100, seed=17)
+            curve = cost_curve(target, store)
+        diagnosis.dtypes.append(
+            DtypeDiagnosis(
+                dtype=name,
+                backend=target.backend,
+                linear_min_rows=getattr(target, "linear_min_rows", None),
+                attention_min_rows=getattr(target, "attention_min_rows", None),
+                exact_trees=target.exact_trees and report.exact,
+                report=report,
+                cost_ms={rows: 1000 * seconds for rows, seconds in curve.items()},
+            )
+        )
+    return diagnosis
+
+
+def flags_summary() -> str:
+    """The CPU flags that decide kernels and dtypes."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
+    present = [flag for flag in wanted if flag in cpu_flags()]
+    return ", ".join(present) or "none of " + ", ".join(wanted)
+
+
+def as_rows(diagnosis: Diagnosis) -> list[dict[str, Any]]:
+    """One printable row per dtype."""
+    rows = []
+    for item in diagnosis.dtypes:
+        rows.append({
+            "dtype": item.dtype,
+            "backend": item.backend,
+            "padding (linear/attention rows)": (
+                f"{item.linear_min_rows}/{item.attention_min_rows}" if item.linear_min_rows is not None else "-"
+            ),
+            "exact trees": f"yes ({item.report.rows_checked} rows)" if item.exact_trees else (
+                f"NO ({len(item.report.mismatches)} of {item.report.rows_checked} rows differ)"
+            ),
+            "forward ms at 1/8/16/64 rows": " / ".join(
+                f"{item.cost_ms[rows]:.1f}" for rows in (1, 8, 16, 64) if rows in item.cost_ms
+            ),
+        })
+    return rows

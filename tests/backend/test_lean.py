@@ -1,0 +1,223 @@
+"""The lean forward: agreement with transformers, bitwise batch invariance in every dtype, the KV cache's rollback,
+the measured row plan and its fallback, and every method's exactness on it."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from tiny import make_tiny_model, repetitive_prompt
+
+import draftwise
+from draftwise.backend import invariance
+from draftwise.backend.costs import cost_curve
+from draftwise.backend.invariance import InvarianceReport, check_trees, plan_rows
+from draftwise.backend.lean import BLOCK, LeanTarget, unsupported_reason
+from draftwise.backend.machine import MeasurementStore, auto_dtype, resolve_dtype
+from draftwise.backend.rows import RowBlock
+from draftwise.decoding.tree import DraftTree
+from draftwise.errors import UnsupportedModelError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: Agreement with transformers' own forward, by dtype (the two compute the same formulas in different orders).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+
+
+def model_in(kind: str, dtype: torch.dtype, **overrides):
+    return make_tiny_model(kind, seed=0, **overrides).to(dtype)
+
+
+def planned(model, tmp_path) -> LeanTarget:
+    target = LeanTarget(model)
+    plan_rows(target, MeasurementStore(tmp_path))
+    return target
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_logits_match_transformers(kind, dtype, tmp_path):
+    model = model_in(kind, dtype)
+    target = planned(model, tmp_path)
+    rng = random.Random(1)
+    prompt = repetitive_prompt(rng, low=70, high=90)
+    continuation = [rng.randrange(model.config.vocab_size) for _ in range(12)]
+    with torch.inference_mode():
+        reference = model(torch.tensor([prompt + continuation])).logits[0].float()
+        cache = target.new_cache(128)
+        first = target.prefill([cache], [prompt]).logits[0][-1].float()
+        torch.testing.assert_close(first, reference[len(prompt) - 1], atol=TOLERANCE[dtype], rtol=0)
+        # The continuation as a tree below its first token, two branches (the true one last): each row on the true
+        # path equals the reference row at its position.
+        tree = DraftTree.from_paths([[continuation[1], 5, 6], continuation[1:5]])
+        logits = target.forward([cache], [tree.rows(continuation[0])]).logits[0].float()
+        torch.testing.assert_close(logits[0], reference[len(prompt)], atol=TOLERANCE[dtype], rtol=0)
+        node = -1
+        for depth, token in enumerate(continuation[1:5], 1):
+            node = tree.child(node, token)
+            torch.testing.assert_close(logits[node + 1], reference[len(prompt) + depth], atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_ids_equal_transformers_generate(kind, tmp_path):
+    model = model_in(kind, torch.float32)
+    target = planned(model, tmp_path)
+    prompt = repetitive_prompt(random.Random(2), low=30, high=40)
+    with torch.inference_mode():
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, attention_mask=torch.ones(1, len(prompt))
+        )[0, len(prompt):].tolist()
+    for method in ("ar", "pld"):
+        assert draftwise.generate(target, None, prompt_ids=prompt, method=method, max_new_tokens=40).token_ids == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_verification_rows_are_bitwise_plain_decoding(kind, dtype, tmp_path):
+    """The measured plan makes every row of random trees (ancestors among siblings, cache lengths across block
+    boundaries) equal, with torch.equal on whole logit rows, to plain one-row decoding."""
+    target = planned(model_in(kind, dtype), tmp_path)
+    assert target.exact_trees
+    report = check_trees(target, trials=25, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7, seed=3)
+    assert report.exact, report.mismatches[:3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_big_trees_and_long_caches(dtype, tmp_path):
+    """64-node trees with the true path at every depth up to 8, at cache lengths on and around block boundaries."""
+    model = model_in("llama", dtype, max_position_embeddings=1024)
+    target = planned(model, tmp_path)
+    vocab = model.config.vocab_size
+    rng = random.Random(4)
+    prompt = [rng.randrange(vocab) for _ in range(3 * BLOCK - 7)]  # blocks end at 6 and 70 tokens on
+    with torch.inference_mode():
+        cache = target.new_cache(len(prompt) + 200)
+        generated = [int(target.prefill([cache], [prompt]).logits[0][-1].argmax())]
+        plain = []
+        for _ in range(80):
+            logits = target.forward([cache], [RowBlock.chain([generated[-1]])]).logits[0][0]
+            target.commit(cache, [0])
+            plain.append(logits)
+            generated.append(int(logits.argmax()))
+        for start in (0, 5, 6, 7, 60, 66, 70):
+            trial = target.new_cache(len(prompt) + 200)
+            target.prefill([trial], [prompt])
+            if start:
+                target.forward([trial], [RowBlock.chain(generated[:start])])
+                target.commit(trial, range(start))
+            truth = generated[start + 1 : start + 9]
+            paths = [[*truth[:level], rng.randrange(vocab)] for level in range(8) for _ in range(7)] + [truth]
+            rng.shuffle(paths)
+            tree = DraftTree.from_paths(paths, budget=64)
+            logits = target.forward([trial], [tree.rows(generated[start])]).logits[0]
+            node = -1
+            assert torch.equal(logits[0], plain[start])
+            for level, token in enumerate(truth):
+                node = tree.child(node, token)
+                if node is None:
+                    break
+                assert torch.equal(logits[node + 1], plain[start + level + 1]), (start, level)
+
+
+def test_commit_keeps_exactly_the_accepted_path(tmp_path):
+    """After a tree forward, committing a path leaves the cache as if the path had been decoded one row at a time;
+    rejected rows leave nothing behind, and the cache grows when needed."""
+    model = model_in("qwen2", torch.float32)
+    target = planned(model, tmp_path)
+    prompt = repetitive_prompt(random.Random(5), low=20, high=25)
+    with torch.inference_mode():
+        chain = target.new_cache(8)
+        target.prefill([chain], [prompt])
+        plain_tokens = [7, 11, 13]
+        for token in plain_tokens:
+            target.forward([chain], [RowBlock.chain([token])])
+            target.commit(chain, [0])
+        tree_cache = target.new_cache(8)
+        target.prefill([tree_cache], [prompt])
+        # Rows: root 7, wrong 3, then 11 under 7, a sibling 4, then 13 under 11 -> accepted rows 0, 2, 4.
+        block = RowBlock((7, 3, 11, 4, 13), (-1, 0, 0, 0, 2))
+        target.forward([tree_cache], [block])
+        target.commit(tree_cache, [0, 2, 4])
+        assert tree_cache.length == chain.length == len(prompt) + 3
+        assert tree_cache.capacity >= tree_cache.length
+        for buffer, reference in ((tree_cache.keys, chain.keys), (tree_cache.values, chain.values)):
+            for position in range(chain.length):  # block-major layout: (layer, block, head, offset, dim)
+                block_index, offset = divmod(position, BLOCK)
+                assert torch.equal(buffer[:, block_index, :, offset], reference[:, block_index, :, offset])
+        # Next step's logits agree exactly too.
+        a = target.forward([tree_cache], [RowBlock.chain([17])]).logits[0]
+        b = target.forward([chain], [RowBlock.chain([17])]).logits[0]
+        assert torch.equal(a, b)
+
+
+def test_plan_is_kept_per_machine_and_a_failing_check_turns_drafting_off(tmp_path, monkeypatch):
+    model = model_in("llama", torch.float32)
+    store = MeasurementStore(tmp_path)
+    target = LeanTarget(model)
+    first = plan_rows(target, store)
+    assert first.exact and first.report is not None
+    recalled = plan_rows(LeanTarget(model), store)
+    assert (recalled.linear_min_rows, recalled.attention_min_rows) == (first.linear_min_rows, first.attention_min_rows)
+    assert recalled.report is None  # recalled, not measured again
+
+    def never_exact(target, trials=12, **options):
+        return InvarianceReport(rows_checked=3, mismatches=["simulated: kernels differ by row count"])
+
+    monkeypatch.setattr(invariance, "check_trees", never_exact)
+    broken = LeanTarget(model)
+    with pytest.warns(RuntimeWarning, match="drafting is off"):
+        plan = plan_rows(broken, MeasurementStore(tmp_path / "other"))
+    assert not plan.exact and not broken.exact_trees
+    prompt = repetitive_prompt(random.Random(6), low=20, high=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = draftwise.generate(broken, None, prompt_ids=prompt * 2, method="pld", max_new_tokens=20)
+    assert result.stats.drafted_tokens == 0  # exact, at plain decoding's pace
+    assert result.token_ids == draftwise.generate(model, None, prompt_ids=prompt * 2, method="ar", max_new_tokens=20).token_ids
+
+
+def test_cost_curve_is_measured_once(tmp_path):
+    target = LeanTarget(model_in("llama", torch.float32))
+    store = MeasurementStore(tmp_path)
+    curve = cost_curve(target, store)
+    assert set(curve) >= {1, 8, 64} and all(seconds > 0 for seconds in curve.values())
+    assert cost_curve(target, store, measure=False) == curve
+
+
+def test_unsupported_models_are_refused_or_run_by_transformers(tmp_path):
+    model = make_tiny_model("llama", seed=0)
+    model.config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    assert "rope type" in unsupported_reason(model)
+    with pytest.raises(UnsupportedModelError, match="rope type"):
+        LeanTarget(model)
+    from draftwise.models import make_target
+
+    assert make_target(model, calibrate=False).backend == "transformers"
+    with pytest.raises(UnsupportedModelError):
+        make_target(model, backend="lean", calibrate=False)
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    from draftwise.backend import machine
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert auto_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert auto_dtype("cpu") == torch.float32
+    assert resolve_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float77")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", sorted(set(draftwise.METHODS) - {"ar"}))
+def test_every_method_matches_ar_on_the_lean_forward(method, dtype, tmp_path):
+    model = model_in("qwen2", dtype)
+    target = planned(model, tmp_path)
+    drafter = draftwise.make_drafter(method)
+    rng = random.Random(7)
+    for _ in range(3):
+        prompt = repetitive_prompt(rng, low=20, high=60)
+        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+        assert draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40).token_ids == expected

@@ -56,7 +56,8 @@ def test_empty_string_prompt(tiny_llama, prompt):
 
 @pytest.mark.parametrize(
     "messages",
-    [[], [{"role": "user", "content": "  "}], [{"role": "user"}], ["hello"]],
+    # A list of strings is a batch of prompts; a list mixing messages and strings is neither.
+    [[], [{"role": "user", "content": "  "}], [{"role": "user"}], [{"role": "user", "content": "hi"}, "hello"]],
 )
 def test_bad_chat_messages(tiny_llama, messages):
     with pytest.raises(InvalidRequestError):

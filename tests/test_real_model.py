@@ -93,6 +93,19 @@ def test_every_method_matches_ar_on_spec_bench(smollm_in, spec_bench_references,
     assert steps[method] < steps["ar"], f"{method} saved no steps at all"
 
 
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_batch_of_8_gives_every_prompt_its_batch_1_ids(smollm_in, method):
+    """32 Spec-Bench prompts decoded 8 at a time (ragged lengths, sequences finishing and joining mid-flight): every
+    prompt's ids equal its ids decoded alone, in each dtype."""
+    model, tokenizer = smollm_in
+    prompts = [[{"role": "user", "content": prompt.text}] for prompt in load_spec_bench(None, per_category=6)][:32]
+    assert len(prompts) == 32
+    alone = [draftwise.generate(model, tokenizer, prompt, method=method, max_new_tokens=48) for prompt in prompts]
+    together = draftwise.generate(model, tokenizer, prompts, method=method, max_new_tokens=48, max_batch=8)
+    differing = [index for index, (a, b) in enumerate(zip(alone, together)) if a.token_ids != b.token_ids]
+    assert not differing, f"{method}: prompts {differing} differ from their batch-1 ids"
+
+
 def test_verification_rows_are_bitwise_plain_decoding(smollm_in):
     """On the real model: random trees around the true continuation at many cache lengths, every row on the true
     path equal to plain one-row decoding with torch.equal on the whole logit row."""

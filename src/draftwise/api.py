@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from .backend.target import Target, as_target
-from .decoding.engine import DEFAULT_BUDGET, FinishReason, decode
+from .decoding.batch import DEFAULT_MAX_BATCH, Scheduler
+from .decoding.engine import DEFAULT_BUDGET, Decoder, FinishReason, SequenceState
 from .decoding.latency import LatencyModel
 from .decoding.sampling import SamplingParams
 from .decoding.stats import GenerationStats
@@ -29,6 +30,7 @@ SUMMARY_DIGITS = {
     "acceptance_per_position": 3,
     "tokens_per_s": 2,
     "time_to_first_token_s": 4,
+    "queue_time_s": 4,
     "time_s": 3,
     "draft_time_s": 4,
 }
@@ -138,6 +140,33 @@ class StopSequences:
         return longest
 
 
+class SettledText:
+    """The text of a growing output, handed out as it settles: text that could still turn out to be the start of a
+    stop sequence, or an incomplete character, is held back until the next tokens decide it; at the end the text is
+    cut before a matched stop sequence. The pieces join to exactly the final text."""
+
+    def __init__(self, tokenizer: Any, stops: StopSequences | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.sent = 0
+
+    def advance(self, output_ids: Sequence[int], finished: bool) -> str:
+        """The newly settled text of ``output_ids`` (the whole output so far); ``""`` when nothing settled."""
+        text = _decode_text(self.tokenizer, output_ids)
+        if finished:
+            text = self.stops.cut(text) if self.stops else text
+            ready = len(text)
+        else:
+            ready = len(text) - (self.stops.held_back(text) if self.stops else 0)
+            if text[:ready].endswith("\ufffd"):
+                ready -= 1
+        if ready <= self.sent:
+            return ""
+        piece = text[self.sent : ready]
+        self.sent = ready
+        return piece
+
+
 def sampling_params(options: Mapping[str, Any]) -> SamplingParams:
     """Sampling options as transformers names them; anything else is refused, never dropped.
 
@@ -181,138 +210,145 @@ def check_request(limit: int, prompt_ids: Sequence[int], max_new_tokens: int, bu
 
 
 class GenerationStream:
-    """Iterator over text pieces as tokens are accepted; :attr:`result` holds the full result once exhausted."""
+    """Iterator over text pieces as tokens are accepted: strings for one prompt, ``(index, piece)`` pairs for a batch
+    of prompts. Once it is exhausted, :attr:`result` (one prompt) or :attr:`results` (a batch) holds what
+    :func:`generate` would have returned."""
 
-    def __init__(self, events: Iterator[str], holder: dict[str, GenerationResult]) -> None:
+    def __init__(self, events: Iterator[Any], holder: dict[str, Any], batch: bool) -> None:
         self._events = events
         self._holder = holder
+        self.batch = batch
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Any]:
         return self._events
 
-    def __next__(self) -> str:
+    def __next__(self) -> Any:
         return next(self._events)
 
     @property
-    def result(self) -> GenerationResult:
-        if "result" not in self._holder:
+    def results(self) -> list[GenerationResult]:
+        if "results" not in self._holder:
             raise RuntimeError("the stream has not finished yet")
-        return self._holder["result"]
+        return self._holder["results"]
+
+    @property
+    def result(self) -> GenerationResult:
+        if self.batch:
+            raise RuntimeError("a batch has one result per prompt: use .results")
+        return self.results[0]
 
 
 def stream(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
-    prompt: str | Messages | None = None,
+    prompt: str | Messages | Sequence[str | Messages] | None = None,
     method: str | Drafter = "pld",
     max_new_tokens: int = 128,
     stop: Sequence[str] | str | None = None,
     *,
-    prompt_ids: Sequence[int] | None = None,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     chat_template: bool | None = None,
     budget: int = DEFAULT_BUDGET,
     method_options: Mapping[str, Any] | None = None,
     latency: LatencyModel | None = None,
     sampling: SamplingParams | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
     **options: Any,
 ) -> GenerationStream:
-    """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted.
+    """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted (for a
+    batch of prompts, ``(prompt index, piece)`` pairs, in the order the pieces settle).
 
     Text that could still turn out to be the start of a stop sequence, or an incomplete character, is held back
-    until it is settled. After the iterator is exhausted, ``.result`` holds the :class:`GenerationResult`.
+    until it is settled. After the iterator is exhausted, ``.result`` (``.results`` for a batch) holds the
+    :class:`GenerationResult`.
     """
-    holder: dict[str, GenerationResult] = {}
-    run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-                   method_options, sampling, options, latency)
+    holder: dict[str, Any] = {}
+    target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
+                                       chat_template, budget, method_options, sampling, options)
 
-    def pieces() -> Iterator[str]:
-        sent = 0
-        for text, final in _run(run, holder, want_text=True):
-            if final:
-                text = run.stops.cut(text) if run.stops else text
-                ready = len(text)
-            else:
-                ready = len(text) - (run.stops.held_back(text) if run.stops else 0)
-                if text[:ready].endswith("\ufffd"):
-                    ready -= 1
-            if ready > sent:
-                yield text[sent:ready]
-                sent = ready
+    def pieces() -> Iterator[Any]:
+        texts = [SettledText(request.tokenizer, request.stops) for request in requests]
+        for index, state in _decode(target, requests, budget, latency, max_batch, holder):
+            piece = texts[index].advance(state.output, state.finished)
+            if piece:
+                yield (index, piece) if batch else piece
 
-    return GenerationStream(pieces(), holder)
+    return GenerationStream(pieces(), holder, batch)
 
 
 def generate(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
-    prompt: str | Messages | None = None,
+    prompt: str | Messages | Sequence[str | Messages] | None = None,
     method: str | Drafter = "pld",
     max_new_tokens: int = 128,
     stop: Sequence[str] | str | None = None,
     *,
-    prompt_ids: Sequence[int] | None = None,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     chat_template: bool | None = None,
     budget: int = DEFAULT_BUDGET,
     method_options: Mapping[str, Any] | None = None,
     latency: LatencyModel | None = None,
     sampling: SamplingParams | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
     **options: Any,
-) -> GenerationResult:
+) -> GenerationResult | list[GenerationResult]:
     """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
 
     Args:
-        model: a transformers causal LM (see :func:`draftwise.load_model`), or a
-            :class:`~draftwise.backend.target.Target`.
+        model: the model from :func:`draftwise.load_model` (a :class:`~draftwise.backend.target.Target`), or a
+            transformers causal LM (run through its public forward).
         tokenizer: its tokenizer.
         prompt: a string, or a list of chat messages (``{"role": ..., "content": ...}``) that go through the chat
-            template. Alternatively pass ``prompt_ids``.
+            template; or a list of such prompts (a batch: one result per prompt). Alternatively pass ``prompt_ids``.
         method: ``"ar"`` (plain decoding), ``"pld"`` (prompt lookup), a spec with options such as
-            ``"pld:max_ngram=3"``, or a :class:`~draftwise.drafters.Drafter` instance.
-        max_new_tokens: most tokens to generate.
+            ``"pld:max_ngram=3"``, or a :class:`~draftwise.drafters.Drafter` instance (a batch gives each further
+            prompt a :meth:`~draftwise.drafters.Drafter.fork` of it, sharing what it learns).
+        max_new_tokens: most tokens to generate (per prompt).
         stop: stop sequences; generation ends at the token that completes one (the text is cut before it).
-        prompt_ids: token ids to use instead of ``prompt``.
+        prompt_ids: token ids to use instead of ``prompt`` (a list of lists for a batch).
         chat_template: wrap a string prompt as a user message of the chat template (default: no for strings,
             always for message lists).
-        budget: most draft nodes verified per step.
+        budget: most draft nodes verified per sequence and step.
         method_options: options of the method's drafter (same as the spec string's).
         latency: forward-time model used to size drafts; pass the same one to successive calls on one model to
-            carry its measurements over (a new one is learned per call otherwise).
+            carry its measurements over (otherwise each call starts from the model's measured cost curve).
+        sampling: the sampling options as one :class:`~draftwise.decoding.sampling.SamplingParams` (instead of
+            keywords).
+        max_batch: most prompts of a batch decoded at once (the rest wait and join as others finish); every
+            prompt's tokens are the ones it gets decoded alone.
         **options: sampling options with transformers' meanings: ``temperature`` (0 = greedy, the default),
             ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``, ``do_sample``. Sampling output has
-            exactly the distribution of plain sampling with the same options; with a fixed ``seed`` a method
-            reproduces its own output, but speculative and plain sampling with the same seed may differ token by
-            token (they consume the random stream differently). Anything else is refused.
-        sampling: the same options as one :class:`~draftwise.decoding.sampling.SamplingParams` (instead of
-            keywords).
+            exactly the distribution of plain sampling with the same options; with a fixed ``seed`` every token is
+            drawn with a random number tied to its position, so a seeded request gives the same tokens with any
+            method, any drafts and any batch around it, as plain sampling with that seed does. Anything else is
+            refused.
 
     Returns:
-        A :class:`GenerationResult` with the text, token ids and statistics.
+        A :class:`GenerationResult` with the text, token ids and statistics; a list of them for a batch.
 
     Raises:
         InvalidRequestError: empty prompt, prompt over the context window, bad ``max_new_tokens``.
         UnknownMethodError: no such method.
         UnsupportedOptionError: an option that this mode cannot honour, or that does not exist.
     """
-    holder: dict[str, GenerationResult] = {}
-    run = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-                   method_options, sampling, options, latency)
-    for _ in _run(run, holder, want_text=False):
+    holder: dict[str, Any] = {}
+    target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
+                                       chat_template, budget, method_options, sampling, options)
+    for _ in _decode(target, requests, budget, latency, max_batch, holder):
         pass
-    return holder["result"]
+    return holder["results"] if batch else holder["results"][0]
 
 
 @dataclass
-class _Run:
-    target: Target
+class _Request:
     tokenizer: Any
     prompt_ids: list[int]
     drafter: Drafter
     method: str
     max_new_tokens: int
     stops: StopSequences | None
-    budget: int
     eos: list[int] = field(default_factory=list)
-    latency: LatencyModel | None = None
     sampling: SamplingParams | None = None
 
 
@@ -340,70 +376,109 @@ def resolve_method(method: str | Drafter, method_options: Mapping[str, Any] | No
     raise InvalidRequestError(f"method must be a name or a Drafter, got {type(method).__name__}")
 
 
-def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-             method_options, sampling, options, latency) -> _Run:
-    if prompt_ids is None:
-        if prompt is None:
-            raise InvalidRequestError("give a prompt (string or chat messages) or prompt_ids")
-        ids = encode_prompt(tokenizer, prompt, chat_template)
-    else:
-        if prompt is not None:
-            raise InvalidRequestError("give either prompt or prompt_ids, not both")
-        ids = [int(token) for token in prompt_ids]
-    sampling = make_sampling(sampling, options)
-    target = as_target(model)
-    check_request(target.context_length, ids, max_new_tokens, budget)
-    drafter, name = resolve_method(method, method_options)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if stops and tokenizer is None:
-        raise InvalidRequestError("stop sequences need a tokenizer")
-    return _Run(
-        target=target,
-        tokenizer=tokenizer,
-        prompt_ids=ids,
-        drafter=drafter,
-        method=name,
-        max_new_tokens=max_new_tokens,
-        stops=StopSequences(tokenizer, stops) if stops else None,
-        budget=budget,
-        eos=eos_token_ids(target.model, tokenizer),
-        latency=latency,
-        sampling=sampling,
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and all(
+        isinstance(message, Mapping) for message in prompt
     )
 
 
-def _run(run: _Run, holder: dict[str, GenerationResult], want_text: bool) -> Iterator[tuple[str, bool]]:
-    """Drive the engine; yield ``(text so far, finished)`` after every step when ``want_text``."""
-    stats = GenerationStats()
-    output: list[int] = []
-    finish_reason = FinishReason.LENGTH
-    for event in decode(
-        run.target,
-        run.prompt_ids,
-        run.drafter,
-        max_new_tokens=run.max_new_tokens,
-        eos_token_ids=run.eos,
-        is_stopped=run.stops,
-        budget=run.budget,
-        stats=stats,
-        latency=run.latency,
-        sampling=run.sampling,
-    ):
-        output.extend(event.tokens)
-        if event.finish_reason is not None:
-            finish_reason = event.finish_reason
-        if want_text:
-            yield _decode_text(run.tokenizer, output), event.finish_reason is not None
-    text = _decode_text(run.tokenizer, output)
-    if run.stops:
-        text = run.stops.cut(text)
-    holder["result"] = GenerationResult(
+def _batch_of(prompt: Any, prompt_ids: Any) -> tuple[list[Any], list[Any], bool]:
+    """The prompts and prompt ids as equal-length lists (one of them all ``None``), and whether it is a batch."""
+    if prompt_ids is not None:
+        if prompt is not None:
+            raise InvalidRequestError("give either prompt or prompt_ids, not both")
+        ids = list(prompt_ids)
+        if ids and all(isinstance(item, Sequence) and not isinstance(item, str) for item in ids):
+            if not all(items for items in ids):
+                raise InvalidRequestError("a batch of prompt_ids holds an empty prompt")
+            return [None] * len(ids), ids, True
+        return [None], [ids], False
+    if prompt is None:
+        raise InvalidRequestError("give a prompt (string or chat messages) or prompt_ids")
+    if isinstance(prompt, str) or _is_chat(prompt):
+        return [prompt], [None], False
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(item, str) or _is_chat(item) for item in prompt):
+        return list(prompt), [None] * len(prompt), True
+    raise InvalidRequestError(
+        "prompt must be a string, a list of chat messages ({'role': ..., 'content': ...}), or a list of those"
+    )
+
+
+def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
+             method_options, sampling, options) -> tuple[Target, list[_Request], bool]:
+    prompts, ids_list, batch = _batch_of(prompt, prompt_ids)
+    sampling = make_sampling(sampling, options)
+    target = as_target(model)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if stops and tokenizer is None:
+        raise InvalidRequestError("stop sequences need a tokenizer")
+    eos = eos_token_ids(target.model, tokenizer)
+    first_drafter, name = resolve_method(method, method_options)
+    requests = []
+    for index, (text, ids) in enumerate(zip(prompts, ids_list)):
+        ids = encode_prompt(tokenizer, text, chat_template) if ids is None else [int(token) for token in ids]
+        check_request(target.context_length, ids, max_new_tokens, budget)
+        if index == 0:
+            drafter = first_drafter
+        elif isinstance(method, Drafter):
+            drafter = first_drafter.fork()
+        else:
+            drafter = resolve_method(method, method_options)[0]
+        requests.append(_Request(
+            tokenizer=tokenizer,
+            prompt_ids=ids,
+            drafter=drafter,
+            method=name,
+            max_new_tokens=max_new_tokens,
+            stops=StopSequences(tokenizer, stops) if stops else None,
+            eos=eos,
+            sampling=sampling,
+        ))
+    return target, requests, batch
+
+
+def _decode(
+    target: Target,
+    requests: Sequence[_Request],
+    budget: int,
+    latency: LatencyModel | None,
+    max_batch: int,
+    holder: dict[str, Any],
+) -> Iterator[tuple[int, SequenceState]]:
+    """Decode every request, up to ``max_batch`` at a time; yield ``(request index, its state)`` after each of its
+    steps, and leave the results in ``holder["results"]``."""
+    decoder = Decoder(target, budget=budget, latency=latency)
+    scheduler = Scheduler(decoder, max_batch)
+    states = [
+        decoder.start(
+            request.prompt_ids,
+            request.drafter,
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=request.eos,
+            is_stopped=request.stops,
+            sampling=request.sampling,
+        )
+        for request in requests
+    ]
+    index_of = {id(state): index for index, state in enumerate(states)}
+    scheduler.submit(states)
+    while not scheduler.idle:
+        for state, _event in scheduler.step():
+            yield index_of[id(state)], state
+    holder["results"] = [_result(request, state) for request, state in zip(requests, states)]
+
+
+def _result(request: _Request, state: SequenceState) -> GenerationResult:
+    text = _decode_text(request.tokenizer, state.output)
+    if request.stops:
+        text = request.stops.cut(text)
+    return GenerationResult(
         text=text,
-        token_ids=output,
-        prompt_ids=run.prompt_ids,
-        finish_reason=finish_reason,
-        stats=stats,
-        method=run.method,
+        token_ids=list(state.output),
+        prompt_ids=request.prompt_ids,
+        finish_reason=state.finish_reason or FinishReason.LENGTH,
+        stats=state.stats,
+        method=request.method,
     )
 
 

@@ -1,4 +1,4 @@
-"""The ``draftwise`` command: generate, bench, report, models, doctor, datastore, corpus."""
+"""The ``draftwise`` command: generate, bench, report, models, doctor, datastore, corpus, serve, loadtest."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .bench.prompts import DATASETS
-from .errors import DraftwiseError
+from .errors import DraftwiseError, InvalidRequestError
 from .models import DEFAULT_MODEL, PRESETS, default_cache_dir, install_preset, is_installed
 
 
@@ -112,6 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .api import sampling_params
     from .bench import Benchmark, BenchSettings, parse_methods, parse_sweep, write_json
+    from .bench.batched import parse_batch_sizes
     from .bench.report import summary_tables
 
     settings = BenchSettings(
@@ -138,7 +139,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     console = Console(stderr=True)
+    batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else None
     benchmark = Benchmark.prepare(settings, load_target=lambda: _load(args))
+    if batch_sizes:
+        return _bench_batched(args, benchmark, batch_sizes, console)
     try:
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -162,6 +166,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"runs saved in {args.out} (draftwise report {args.out} --out DIR for a report with charts)")
     if args.json:
         write_json(args.json, summary, records, benchmark.environment, {**benchmark.config, "prompts": len(benchmark.prompts)})
+        console.print(f"results written to {args.json}")
+    return 0
+
+
+def _bench_batched(args: argparse.Namespace, benchmark, batch_sizes: list[int], console) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench.batched import batch_table_rows, write_batched_json
+
+    if benchmark.unbatched_rows:
+        console.print(f"left out at --batch-size (they decode one sequence at a time): {', '.join(benchmark.unbatched_rows)}")
+    console.print(f"{len(benchmark.prompts)} prompts, batch sizes {batch_sizes}: warming up")
+
+    def on_record(record) -> None:
+        console.print(f"{record.label:>12} batch {record.batch_size:>3}: {record.tokens_per_s:7.1f} tok/s, "
+                      f"exact vs batch 1 {record.exact}/{record.prompts}")
+
+    records = benchmark.run_batched(batch_sizes, on_record)
+    rows = batch_table_rows(records)
+    table = Table(title=f"batched: {len(benchmark.prompts)} prompts, {benchmark.settings.max_new_tokens} new tokens each")
+    columns = ["row", "batch_size", "tokens_per_s", "vs_batch_1", "vs_ar", "mean_accepted_tokens", "latency_p50_s",
+               "latency_p90_s", "queued_latency_p90_s", "exact_vs_batch_1", "exact_vs_ar"]
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="left" if column == "row" else "right")
+    for row in rows:
+        table.add_row(*("-" if row[column] is None else str(row[column]) for column in columns))
+    (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
+    if args.json:
+        write_batched_json(args.json, rows, records, benchmark.environment,
+                           {**benchmark.config, "prompts": len(benchmark.prompts), "batch_sizes": batch_sizes})
         console.print(f"results written to {args.json}")
     return 0
 
@@ -256,6 +291,55 @@ def cmd_datastore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_dependencies():
+    try:
+        import uvicorn
+
+        from .serve import ServingEngine, create_app
+    except ImportError as error:
+        raise InvalidRequestError(f"the server needs its extra: pip install 'draftwise[serve]' ({error})") from None
+    return uvicorn, ServingEngine, create_app
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start the OpenAI-compatible server."""
+    from .drafters import check_method
+
+    uvicorn, ServingEngine, create_app = _serve_dependencies()
+    check_method(args.method)
+    if args.max_batch < 1 or args.max_waiting < 1 or args.default_max_tokens < 1:
+        raise InvalidRequestError("--max-batch, --max-waiting and --default-max-tokens must be positive")
+    target, tokenizer = _load(args)
+    if tokenizer is None:
+        raise InvalidRequestError(f"{args.model} has no tokenizer: the server needs one")
+    engine = ServingEngine(target, tokenizer, args.method, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                           budget=args.budget)
+    name = args.served_model_name or args.model
+    app = create_app(engine, name, args.default_max_tokens)
+    print(f"draftwise: serving {name} with {args.method} on http://{args.host}:{args.port}/v1 "
+          f"(batch up to {args.max_batch})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    """A bounded load test against a running server."""
+    import asyncio
+
+    from .bench.prompts import load_spec_bench
+    from .serve.load import run_load
+
+    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        raise InvalidRequestError("--requests, --concurrency and --max-tokens must be positive")
+    prompts = [prompt.text for prompt in load_spec_bench(args.data, per_category=args.per_category)]
+    report = asyncio.run(run_load(args.url, args.model, prompts, args.requests, args.concurrency, args.max_tokens,
+                                  chat=not args.completions))
+    print(json.dumps(report.summary(), indent=1))
+    for error in report.errors[:10]:
+        print(error, file=sys.stderr)
+    return 1 if report.errors else 0
+
+
 def cmd_corpus(args: argparse.Namespace) -> int:
     """Count the tri-grams of corpus sources into a store for ``--method aded:corpus=OUT``."""
     from rich.console import Console
@@ -322,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="append each run to this jsonl results file as it finishes")
     bench.add_argument("--resume", action="store_true", help="continue the --out file of an interrupted run")
     bench.add_argument("--json", default=None, help="write the summary and every record as JSON here")
+    bench.add_argument("--batch-size", default=None, metavar="N[,N...]",
+                       help="batched run instead: all prompts submitted at once, decoded N at a time (aggregate "
+                       "tokens/s, per-request latency, exact match vs batch size 1, which always runs)")
     _add_sampling_arguments(bench)
     _add_model_arguments(bench)
     bench.set_defaults(handler=cmd_bench)
@@ -373,6 +460,32 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_build.add_argument("--max-new-tokens", type=int, default=256, help="answer length for --self-generate")
     _add_model_arguments(corpus_build)
     corpus_build.set_defaults(handler=cmd_corpus)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible server (completions, chat, streaming, metrics)")
+    serve.add_argument("--method", default="pld", help="decoding method of every request (default pld)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoded at once (default 16)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="most requests waiting for a slot; more are answered 503 (default 256)")
+    serve.add_argument("--budget", type=int, default=16, help="most draft nodes per sequence and step")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--default-max-tokens", type=int, default=256,
+                       help="tokens generated when a request gives no max_tokens (default 256)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_model_arguments(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    loadtest = commands.add_parser("loadtest", help="bounded load test of a running server (streaming requests)")
+    loadtest.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    loadtest.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
+    loadtest.add_argument("--requests", type=int, default=128)
+    loadtest.add_argument("--concurrency", type=int, default=64)
+    loadtest.add_argument("--max-tokens", type=int, default=64)
+    loadtest.add_argument("--per-category", type=int, default=3, help="Spec-Bench prompts per category")
+    loadtest.add_argument("--data", default=None, help="Spec-Bench question file (default: the shared copy)")
+    loadtest.add_argument("--completions", action="store_true", help="text completions instead of chat")
+    loadtest.set_defaults(handler=cmd_loadtest)
     return parser
 
 

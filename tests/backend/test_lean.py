@@ -221,3 +221,38 @@ def test_every_method_matches_ar_on_the_lean_forward(method, dtype, tmp_path):
         prompt = repetitive_prompt(rng, low=20, high=60)
         expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
         assert draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40).token_ids == expected
+
+
+def test_row_groups():
+    from draftwise.backend.lean import row_groups
+
+    assert row_groups([3, 3, 3], 6) == [[0, 1], [2]]
+    assert row_groups([10, 2, 2], 6) == [[0], [1, 2]]
+    assert row_groups([1] * 4, 100) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_over_the_row_limit_runs_as_several_forwards(dtype, tmp_path, monkeypatch):
+    """More rows than one product may stack: the sequences run in groups, each sequence's logits bitwise those of
+    its forward alone."""
+    from draftwise.backend import lean
+
+    monkeypatch.setattr(lean, "MAX_FORWARD_ROWS", 40)
+    target = planned(model_in("qwen2", dtype), tmp_path)
+    rng = random.Random(4)
+    prompts = [repetitive_prompt(rng, low=8, high=30) for _ in range(5)]
+    blocks = [RowBlock.chain([rng.randrange(target.config.vocab_size) for _ in range(15)]) for _ in prompts]
+
+    def fresh_caches():
+        caches = [target.new_cache(64) for _ in prompts]
+        for cache, prompt in zip(caches, prompts):
+            target.prefill([cache], [prompt])
+        return caches
+
+    with torch.inference_mode():
+        caches = fresh_caches()
+        together = target.forward(caches, blocks, hidden_states=True)
+        caches = fresh_caches()
+        alone = [target.forward([cache], [block]).logits[0] for cache, block in zip(caches, blocks)]
+    assert len(together.logits) == len(together.hidden_states) == 5
+    assert all(torch.equal(a, b) for a, b in zip(together.logits, alone))

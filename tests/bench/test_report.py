@@ -151,7 +151,22 @@ def test_bench_and_report_commands(tiny_cli, tmp_path, capsys):
     assert (tmp_path / "report" / "budget.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_bench_batch_size_command(tiny_cli, tmp_path, capsys):
+    summary = tmp_path / "batched.json"
+    arguments = ["bench", "--model", "tiny", "--data", str(prompt_file(tmp_path)), "--methods", "ar,pld,hf",
+                 "--max-new-tokens", "6", "--batch-size", "2", "--json", str(summary)]
+    assert cli.main(arguments) == 0
+    captured = capsys.readouterr()
+    assert "left out at --batch-size" in captured.err and "hf" in captured.err
+    saved = json.loads(summary.read_text())
+    assert [(row["row"], row["batch_size"]) for row in saved["summary"]] == [("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)]
+    assert all(row["exact_vs_batch_1"] == "3/3" for row in saved["summary"])
+    assert "batched: 3 prompts" in captured.out
+
+
 @pytest.mark.parametrize("arguments, message", [
+    (["--batch-size", "0"], "--batch-size"),
+    (["--batch-size", "4", "--sweep", "budget=2"], "--sweep"),
     (["--methods", "ar,hf-assisted"], "--draft-model"),
     (["--methods", "max_ngram=3"], "follows no method"),
     (["--sweep", "depth=3"], "budget"),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from draftwise.decoding.engine import size_trees
 from draftwise.decoding.latency import GENERIC_PRIOR, LatencyModel
+from draftwise.decoding.tree import DraftTree
 
 
 def test_prior_interpolates_and_extrapolates():
@@ -28,27 +30,48 @@ def test_measurements_replace_and_rescale_the_prior():
     assert latency.cost(3) == pytest.approx(0.010 * 3 / 4)  # nearest measured is 4 rows (tie -> fewer rows)
 
 
-def test_best_size_maximises_expected_tokens_per_second():
+def star(scores):
+    """A tree of children of the root with these scores."""
+    return DraftTree(tuple(range(1, len(scores) + 1)), (-1,) * len(scores), tuple(scores))
+
+
+def best_size(latency, scores):
+    return len(size_trees([star(scores)], latency)[0])
+
+
+def test_tree_size_maximises_expected_tokens_per_second():
     latency = LatencyModel(prior={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 10.0})
     # Up to 4 rows (root + 3 nodes) cost the same: take every node with a positive score, not a 5th row at 10x.
-    assert latency.best_size([0.9, 0.5, 0.1]) == 3
-    assert latency.best_size([0.9, 0.5, 0.4, 0.3]) == 3
-    assert latency.best_size([]) == 0
+    assert best_size(latency, [0.9, 0.5, 0.1]) == 3
+    assert best_size(latency, [0.9, 0.5, 0.4, 0.3]) == 3
+    assert best_size(latency, []) == 0
     expensive = LatencyModel(prior={1: 1.0, 2: 3.0})
-    assert expensive.best_size([0.9]) == 0  # 1.9 tokens for 3x the time is a loss
+    assert best_size(expensive, [0.9]) == 0  # 1.9 tokens for 3x the time is a loss
     cheap = LatencyModel(prior={1: 1.0, 2: 1.5})
-    assert cheap.best_size([0.9]) == 1
+    assert best_size(cheap, [0.9]) == 1
+
+
+def test_batch_sizing_pays_for_the_whole_forward():
+    """Across sequences the best nodes win wherever they are; a dearer forward (bigger batch) verifies fewer, and
+    none once drafts stop paying; unscored trees are verified whole."""
+    latency = LatencyModel(prior={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.1, 5: 1.2, 6: 1.3, 8: 3.0})
+    trees = size_trees([star([0.9, 0.2]), star([0.8, 0.7])], latency)
+    assert [tree.scores for tree in trees] == [(0.9,), (0.8, 0.7)]
+    flat = LatencyModel(prior={1: 1.0, 64: 64.0})  # every row costs as much as the first
+    assert [len(tree) for tree in size_trees([star([0.9]), star([0.9])], flat)] == [0, 0]
+    unscored = DraftTree.chain([4, 5, 6])
+    assert size_trees([unscored, star([0.01])], flat)[0] is unscored
 
 
 def test_a_slow_outlier_does_not_stop_a_row_count_for_good():
     latency = LatencyModel(prior={1: 1.0, 2: 1.2}, smoothing=0.5)
     latency.record(1, 0.050)
     latency.record(2, 4.0)  # one forward slowed by a passing load
-    assert latency.best_size([0.9]) == 0
+    assert best_size(latency, [0.9]) == 0
     for _ in range(20):  # the engine keeps measuring one-row forwards at the usual speed
         latency.record(1, 0.050)
     assert latency.cost(2) < 1.5 * 0.060 * 1.01
-    assert latency.best_size([0.9]) == 1
+    assert best_size(latency, [0.9]) == 1
 
 
 def test_estimates_in_line_with_the_prior_are_left_alone():

@@ -180,3 +180,150 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         is_causal=True, scale=1.0, enable_gqa=True,
     )
     return output[0].transpose(0, 1).reshape(rows, heads * head_dim)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Several sequences' layouts padded to common shapes, so that their attention runs as one set of products.
+
+    Padding only ever adds exact zeros in places a row's own sums do not see change: padded tail and shared blocks
+    are masked (weight exactly 0, appended after or between the row's real blocks in the ordered sum), padded query
+    rows are dropped at the end, and the products' row counts are padded as for one sequence (to at least
+    ``min_rows``, from which the machine's products are measured invariant). A row's result is therefore bitwise
+    its result in the sequence's own forward.
+
+    Attributes:
+        rows, shared_blocks, tail_blocks: the common row count and block counts (the largest of the sequences).
+        shared_counts: each sequence's own shared block count.
+        query_index: ``(sequences * rows,)`` flat row of each padded row (padding points at row 0).
+        output_index: ``(flat rows,)`` padded row of each flat row.
+        gathers: per sequence, its tail gather (as :attr:`TailLayout.gather`) padded to the common shape.
+        tail_masked: ``(sequences, rows, tail_blocks, block)``; shared_masked: ``(sequences, shared_blocks)``.
+    """
+
+    rows: int
+    shared_blocks: int
+    tail_blocks: int
+    shared_counts: tuple[int, ...]
+    query_index: torch.Tensor
+    output_index: torch.Tensor
+    gathers: tuple[torch.Tensor, ...]
+    tail_masked: torch.Tensor
+    shared_masked: torch.Tensor
+
+
+def batch_layout(layouts: Sequence[TailLayout], row_counts: Sequence[int], block: int, kv_heads: int) -> BatchLayout:
+    """The common layout of several sequences' forwards (``row_counts[i]`` rows laid out by ``layouts[i]``)."""
+    count = len(layouts)
+    rows = max(row_counts)
+    shared = max(layout.shared_blocks for layout in layouts)
+    tail = max(layout.tail_blocks for layout in layouts)
+    device = layouts[0].gather.device
+    starts = np.cumsum([0, *row_counts])
+    query_index = np.zeros((count, rows), dtype=np.int64)
+    output_index = np.zeros(starts[-1], dtype=np.int64)
+    tail_masked = torch.ones(count, rows, tail, block, dtype=torch.bool, device=device)
+    shared_masked = torch.ones(count, max(shared, 1), dtype=torch.bool, device=device)
+    gathers = []
+    for index, (layout, own_rows) in enumerate(zip(layouts, row_counts)):
+        query_index[index, :own_rows] = np.arange(starts[index], starts[index + 1])
+        output_index[starts[index] : starts[index + 1]] = index * rows + np.arange(own_rows)
+        own_tail = layout.tail_blocks
+        tail_masked[index, :own_rows, :own_tail] = layout.masked.view(own_rows, own_tail, block)
+        shared_masked[index, : layout.shared_blocks] = False
+        gather = layout.gather.new_zeros(kv_heads, rows, tail, block)
+        gather[:, :own_rows, :own_tail] = layout.gather.view(kv_heads, own_rows, own_tail, block)
+        gathers.append(gather.view(-1))
+    return BatchLayout(
+        rows,
+        shared,
+        tail,
+        tuple(layout.shared_blocks for layout in layouts),
+        torch.from_numpy(query_index.reshape(-1)).to(device),
+        torch.from_numpy(output_index).to(device),
+        tuple(gathers),
+        tail_masked,
+        shared_masked,
+    )
+
+
+def batch_block_attention(
+    query: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    layout: BatchLayout,
+    shared_buffers: tuple[torch.Tensor, torch.Tensor] | None,
+    min_rows: int = 1,
+) -> torch.Tensor:
+    """:func:`block_attention` of several sequences in one set of products, each row bitwise its own sequence's
+    result (see :class:`BatchLayout`).
+
+    Args:
+        query: ``(flat rows, kv_heads, group, head_dim)``: every sequence's rows, one sequence after the other.
+        keys, values: each sequence's cache of this layer, ``(blocks, kv_heads, block, head_dim)``.
+        layout: the common layout (:func:`batch_layout`).
+        shared_buffers: two zeroed ``(sequences, shared_blocks, kv_heads, block, head_dim)`` buffers the shared
+            blocks are copied into (their padding stays zero); ``None`` when no sequence has shared blocks.
+        min_rows: as for :func:`block_attention`.
+
+    Returns:
+        ``(flat rows, kv_heads * group * head_dim)``.
+    """
+    count = len(keys)
+    _, kv_heads, group, head_dim = query.shape
+    block = keys[0].shape[2]
+    dtype = query.dtype
+    rows, shared, tail = layout.rows, layout.shared_blocks, layout.tail_blocks
+    grouped = query.index_select(0, layout.query_index).view(count, rows, kv_heads, group, head_dim).transpose(1, 2)
+
+    tail_keys = torch.stack([own.reshape(-1, head_dim).index_select(0, gather) for own, gather in zip(keys, layout.gathers)])
+    tail_values = torch.stack(
+        [own.reshape(-1, head_dim).index_select(0, gather) for own, gather in zip(values, layout.gathers)]
+    )
+    tail_rows = max(group, min_rows)
+    tail_query = pad_rows(grouped, 3, tail_rows)[:, :, :, None]  # (n, kv, rows, 1, tail_rows, dim)
+    tail_query = tail_query.expand(count, kv_heads, rows, tail, tail_rows, head_dim).reshape(-1, tail_rows, head_dim)
+    tail_scores = torch.bmm(tail_query, tail_keys.view(-1, block, head_dim).transpose(1, 2)).float()
+    tail_scores = tail_scores.view(count, kv_heads, rows, tail, tail_rows, block)
+    tail_scores = tail_scores.masked_fill(layout.tail_masked.view(count, 1, rows, tail, 1, block), float("-inf"))
+    maximum = tail_scores.amax(dim=(3, 5))[:, :, :, :group]  # (n, kv, rows, group)
+
+    if shared:
+        assert shared_buffers is not None
+        shared_keys, shared_values = shared_buffers
+        for index, own in enumerate(layout.shared_counts):
+            if own:
+                shared_keys[index, :own] = keys[index][:own]
+                shared_values[index, :own] = values[index][:own]
+        shared_rows = max(rows * group, min_rows)
+        shared_query = pad_rows(grouped.reshape(count, kv_heads, rows * group, head_dim), 2, shared_rows)
+        shared_query = shared_query[:, None].expand(count, shared, kv_heads, shared_rows, head_dim)
+        shared_scores = torch.bmm(
+            shared_query.reshape(-1, shared_rows, head_dim),
+            shared_keys.view(-1, block, head_dim).transpose(1, 2),
+        ).float().view(count, shared, kv_heads, shared_rows, block)
+        shared_scores = shared_scores.masked_fill(layout.shared_masked.view(count, shared, 1, 1, 1), float("-inf"))
+        shared_maximum = shared_scores[:, :, :, : rows * group].amax(dim=(1, 4)).view(count, kv_heads, rows, group)
+        maximum = torch.maximum(maximum, shared_maximum)
+
+    tail_weights = torch.exp(tail_scores - pad_rows(maximum, 3, tail_rows)[:, :, :, None, :, None])
+    tail_sums = torch.bmm(tail_weights.to(dtype).view(-1, tail_rows, block), tail_values.view(-1, block, head_dim))
+    tail_sums = tail_sums.float().view(count, kv_heads, rows, tail, tail_rows, head_dim)[:, :, :, :, :group]
+    block_sums = tail_sums.transpose(3, 4)  # (n, kv, rows, group, tail blocks, dim)
+    block_totals = tail_weights.sum(-1)[:, :, :, :, :group].transpose(3, 4)  # (n, kv, rows, group, tail blocks)
+    if shared:
+        flat_maximum = pad_rows(maximum.reshape(count, kv_heads, rows * group), 2, shared_rows)
+        shared_weights = torch.exp(shared_scores - flat_maximum[:, None, :, :, None])
+        shared_sums = torch.bmm(
+            shared_weights.to(dtype).view(-1, shared_rows, block), shared_values.view(-1, block, head_dim)
+        ).float().view(count, shared, kv_heads, shared_rows, head_dim)[:, :, :, : rows * group]
+        shared_totals = shared_weights.sum(-1)[:, :, :, : rows * group]
+        shared_sums = shared_sums.view(count, shared, kv_heads, rows, group, head_dim).permute(0, 2, 3, 4, 1, 5)
+        shared_totals = shared_totals.view(count, shared, kv_heads, rows, group).permute(0, 2, 3, 4, 1)
+        block_sums = torch.cat([shared_sums, block_sums], 4)
+        block_totals = torch.cat([shared_totals, block_totals], 4)
+    total = block_sums.cumsum(4)[:, :, :, :, -1]
+    weight = block_totals.cumsum(4)[:, :, :, :, -1]
+    output = (total / weight[..., None]).to(dtype)  # (n, kv, rows, group, dim)
+    output = output.transpose(1, 2).reshape(count * rows, kv_heads * group * head_dim)
+    return output.index_select(0, layout.output_index)

@@ -25,16 +25,18 @@ from typing import Any
 import torch
 
 from .machine import MeasurementStore, machine_key
+from .lean import MAX_FORWARD_ROWS
 from .rows import RowBlock
 
 #: Row counts a kernel may be padded to, smallest first.
 CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
 #: Row counts every candidate is checked at (those at or above it), beyond the candidate itself.
-SAMPLE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 31, 32, 33, 47, 48, 63, 64, 65, 96, 130, 195)
+SAMPLE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 31, 32, 33, 47, 48, 63, 64, 65, 96, 130, 195,
+               257, 390, 520)
 #: Paddings tried after the measured one, in order, while whole forwards are not exact (each raised to at least
 #: the measured one).
 ESCALATION = ((2, 1), (4, 1), (2, 12), (4, 16), (16, 32))
-PLAN_VERSION = 1
+PLAN_VERSION = 3
 
 
 def min_invariant_rows(run: Callable[[int], torch.Tensor], max_rows: int, candidates: Sequence[int] = CANDIDATE_MIN_ROWS) -> int | None:
@@ -60,7 +62,7 @@ def _min_rows_over(runs: Sequence[Callable[[int], torch.Tensor]], max_rows: int)
     return None if None in found else max(found, default=1)
 
 
-def probe_linear_rows(target: Any, max_rows: int = 72, seeds: Sequence[int] = (0, 1)) -> int | None:
+def probe_linear_rows(target: Any, max_rows: int = MAX_FORWARD_ROWS, seeds: Sequence[int] = (0, 1)) -> int | None:
     """The row count the target's linear products are invariant from (each distinct kind, two random inputs)."""
     layer = target.layers[0]
     runs = []
@@ -118,14 +120,15 @@ class InvarianceReport:
 
 @torch.inference_mode()
 def check_trees(
-    target: Any, trials: int = 12, steps: int = 40, prompt_length: int = 90, seed: int = 0
+    target: Any, trials: int = 12, steps: int = 40, prompt_length: int = 90, seed: int = 0, batch: int = 4
 ) -> InvarianceReport:
     """Compare verification rows with plain one-row decoding, bit for bit, on the target itself.
 
     A random prompt is prefilled and decoded greedily ``steps`` tokens, one row per forward. Then, ``trials`` times
     at a random point of that continuation, a tree holding the true next tokens among random siblings (in random
     order, so that ancestors sit among other nodes) is verified on a cache of that length; every row on the true
-    path must equal the plain row at its position.
+    path must equal the plain row at its position. Then the same trees are verified ``batch`` at a time in one
+    forward (as a batch of sequences runs), and must give the same rows again.
     """
     rng = random.Random(seed)
     vocab = target.config.vocab_size
@@ -140,6 +143,7 @@ def check_trees(
         plain.append(logits)
         generated.append(int(torch.argmax(logits)))
     report = InvarianceReport()
+    trees: list[tuple[Any, RowBlock, list[tuple[int, torch.Tensor]]]] = []
     for trial in range(trials):
         start = rng.randrange(0, steps - 1)
         depth = rng.randint(1, min(8, steps - start - 1))
@@ -162,17 +166,27 @@ def check_trees(
         if start:
             target.forward([trial_cache], [RowBlock.chain(generated[:start])])
             target.commit(trial_cache, range(start))
-        logits = target.forward([trial_cache], [RowBlock(tuple(rows), tuple(parents))]).logits[0]
-        for level in range(depth + 1):
-            row = index[tuple(truth[:level])]
-            report.rows_checked += 1
-            if not torch.equal(logits[row], plain[start + level]):
-                difference = float((logits[row].float() - plain[start + level].float()).abs().max())
-                report.mismatches.append(
-                    f"trial {trial}: tree of {len(rows)} rows at cache length {prompt_length + start}, depth {level}: "
-                    f"max difference {difference:.2e}"
-                )
+        block = RowBlock(tuple(rows), tuple(parents))
+        logits = target.forward([trial_cache], [block]).logits[0]
+        expected = [(index[tuple(truth[:level])], plain[start + level]) for level in range(depth + 1)]
+        trees.append((trial_cache, block, expected))
+        where = f"trial {trial}: tree of {len(rows)} rows at cache length {prompt_length + start}"
+        _compare(report, logits, expected, where)
+    # The same trees several at a time in one forward (ragged rows and cache lengths): a batch must not change them.
+    for first in range(0, len(trees), batch):
+        group = trees[first : first + batch]
+        output = target.forward([cache for cache, _, _ in group], [block for _, block, _ in group])
+        for offset, ((_, block, expected), logits) in enumerate(zip(group, output.logits)):
+            _compare(report, logits, expected, f"trial {first + offset} in a batch of {len(group)}")
     return report
+
+
+def _compare(report: InvarianceReport, logits: torch.Tensor, expected: list[tuple[int, torch.Tensor]], where: str) -> None:
+    for level, (row, plain_row) in enumerate(expected):
+        report.rows_checked += 1
+        if not torch.equal(logits[row], plain_row):
+            difference = float((logits[row].float() - plain_row.float()).abs().max())
+            report.mismatches.append(f"{where}, depth {level}: max difference {difference:.2e}")
 
 
 def model_shape(target: Any) -> dict[str, Any]:

@@ -23,11 +23,15 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
-from .attention import block_attention, causal_attention, tail_layout
+from .attention import batch_block_attention, batch_layout, block_attention, causal_attention, tail_layout
 from .cache import check_full_attention
 from .linear import Linear, packing_available
 from .rows import RowBlock
 from .target import ForwardOutput, Target
+
+#: Most rows stacked into one product (16 sequences of 32 draft nodes): the linear products' invariance is checked
+#: up to this many rows (:mod:`~draftwise.backend.invariance`), and a bigger batch runs as several forwards.
+MAX_FORWARD_ROWS = 528
 
 #: Model families this forward implements.
 FAMILIES = ("llama", "qwen2")
@@ -85,6 +89,20 @@ class LeanCache:
             buffer[:, targets // self.block, :, targets % self.block] = buffer[
                 :, sources // self.block, :, sources % self.block
             ]
+
+
+def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive sequences grouped so that each group's rows stay within ``limit`` (a sequence bigger than
+    ``limit`` alone in its group)."""
+    groups: list[list[int]] = []
+    rows = 0
+    for index, size in enumerate(sizes):
+        if not groups or rows + size > limit:
+            groups.append([])
+            rows = 0
+        groups[-1].append(index)
+        rows += size
+    return groups
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -230,50 +248,78 @@ class LeanTarget(Target):
     def _rotate(self, states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         return states * cos + torch.roll(states, self.head_dim // 2, -1) * signed_sin
 
-    def _run(self, cache: LeanCache, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder layers over ``tokens`` at ``positions``, written into ``cache`` after its length;
-        ``attend(layer index, queries, keys, values)`` does attention (given this forward's own keys and values too).
-        Returns the final normed hidden states."""
-        rows = tokens.shape[0]
-        start = cache.length
-        cache.reserve(start + rows)
+    def _run(
+        self, caches: Sequence[LeanCache], tokens: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], attend
+    ) -> list[torch.Tensor]:
+        """The decoder layers over each sequence's new rows (``tokens[i]`` at its cache length plus ``depths[i]``),
+        all sequences' rows in the same products, each sequence's attention on its own cache; the rows' keys and
+        values are written into the caches after their lengths first. ``attend(layer, queries, keys, values)``
+        does every sequence's attention (given all new rows' queries, keys and values, one sequence after the
+        other) and returns its rows' outputs in the same order. Returns each sequence's final normed hidden
+        states."""
+        sizes = [len(row_tokens) for row_tokens in tokens]
+        device = self.device
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        flat_tokens = torch.tensor([token for row_tokens in tokens for token in row_tokens], device=device)
+        positions = torch.tensor(
+            [cache.length + depth for cache, row_depths in zip(caches, depths) for depth in row_depths], device=device
+        )
+        slots = []
+        for cache, size in zip(caches, sizes):
+            cache.reserve(cache.length + size)
+            where = torch.arange(cache.length, cache.length + size, device=device)
+            slots.append((where // self.block, where % self.block))
+        bounds = [sum(sizes[:index]) for index in range(len(sizes) + 1)]
+        rows = bounds[-1]
         cos = self.cos[positions][:, None]
         sin = self.signed_sin[positions][:, None]
-        slots = torch.arange(start, start + rows, device=self.device)
-        slot_blocks, slot_offsets = slots // self.block, slots % self.block
-        hidden = self.embedding[tokens]
+        hidden = self.embedding[flat_tokens]
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
-            query_key = self._rotate(qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin)
+            query_key = self._rotate(
+                qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin
+            )
             queries = query_key[:, :heads] * self.scale
             keys = query_key[:, heads:]
             values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-            cache.keys[index, slot_blocks, :, slot_offsets] = keys
-            cache.values[index, slot_blocks, :, slot_offsets] = values
+            for sequence, (cache, (slot_blocks, slot_offsets)) in enumerate(zip(caches, slots)):
+                part = slice(bounds[sequence], bounds[sequence + 1])
+                cache.keys[index, slot_blocks, :, slot_offsets] = keys[part]
+                cache.values[index, slot_blocks, :, slot_offsets] = values[part]
             hidden = hidden + layer.output(attend(index, queries, keys, values))
             gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
             gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
             hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
-        return self._rms_norm(hidden, self.norm)
+        states = self._rms_norm(hidden, self.norm)
+        return [states[bounds[sequence] : bounds[sequence + 1]] for sequence in range(len(sizes))]
 
-    def prefill(self, caches: Sequence[LeanCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False) -> ForwardOutput:
-        logits, hidden = [], []
+    def _outputs(self, states: Sequence[torch.Tensor], hidden_states: bool) -> ForwardOutput:
+        """Logits of every sequence's rows from one product over all of them."""
+        logits = self.head(states[0] if len(states) == 1 else torch.cat(states))
+        bounds = [0]
+        for part in states:
+            bounds.append(bounds[-1] + part.shape[0])
+        return ForwardOutput(
+            [logits[bounds[index] : bounds[index + 1]] for index in range(len(states))],
+            list(states) if hidden_states else None,
+        )
+
+    def prefill(
+        self, caches: Sequence[LeanCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False
+    ) -> ForwardOutput:
+        if any(cache.length for cache in caches):
+            raise ValueError("prefill needs empty caches")
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            return causal_attention(queries, keys, values)
+
+        # One prompt at a time: a prefill's rows are exactly those of the same prompt decoded alone (products of
+        # thousands of rows are not assumed to keep every row's bits), whatever else is decoded beside it.
+        states = []
         for cache, prompt in zip(caches, prompts):
-            if cache.length:
-                raise ValueError("prefill needs an empty cache")
-            tokens = torch.tensor(list(prompt), dtype=torch.long, device=self.device)
-            rows = len(prompt)
-            positions = torch.arange(rows, device=self.device)
-
-            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                return causal_attention(queries, keys, values)
-
-            states = self._run(cache, tokens, positions, attend)[-1:]
-            cache.length = rows
-            logits.append(self.head(states))
-            hidden.append(states)
-        return ForwardOutput(logits, hidden if hidden_states else None)
+            states.append(self._run([cache], [prompt], [range(len(prompt))], attend)[0][-1:])
+            cache.length = len(prompt)
+        return self._outputs(states, hidden_states)
 
     def forward(
         self,
@@ -283,28 +329,42 @@ class LeanTarget(Target):
         last_only: bool = False,
         hidden_states: bool = False,
     ) -> ForwardOutput:
-        logits, hidden = [], []
-        for cache, block in zip(caches, blocks):
-            length = cache.length
-            layout = tail_layout(length, block.parents, self.block, self.kv_heads, self.device)
-            tokens = torch.tensor(block.tokens, dtype=torch.long, device=self.device)
-            positions = torch.tensor(block.depths, dtype=torch.long, device=self.device) + length
-            rows = len(block)
+        groups = row_groups([len(block.tokens) for block in blocks], MAX_FORWARD_ROWS)
+        if len(groups) > 1:
+            outputs = [
+                self.forward([caches[index] for index in group], [blocks[index] for index in group],
+                             last_only=last_only, hidden_states=hidden_states)
+                for group in groups
+            ]
+            return ForwardOutput(
+                [logits for output in outputs for logits in output.logits],
+                [states for output in outputs for states in output.hidden_states] if hidden_states else None,
+            )
+        layouts = [tail_layout(cache.length, block.parents, self.block, self.kv_heads, self.device)
+                   for cache, block in zip(caches, blocks)]
+        shape = (self.kv_heads, self.group, self.head_dim)
+        if len(caches) == 1:
+            cache, layout = caches[0], layouts[0]
 
-            def attend(
-                index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: LeanCache = cache
-            ) -> torch.Tensor:
-                return block_attention(
-                    queries.view(rows, self.kv_heads, self.group, self.head_dim),
-                    cache.keys[index],
-                    cache.values[index],
-                    layout,
-                    self.attention_min_rows,
+            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
+                                       self.attention_min_rows)
+        else:
+            # Several sequences: one set of padded products for all of them, each row bitwise its own result.
+            together = batch_layout(layouts, [len(block.tokens) for block in blocks], self.block, self.kv_heads)
+            buffers = None
+            if together.shared_blocks:
+                size = (len(caches), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
+                buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
+                           torch.zeros(size, dtype=self.dtype, device=self.device))
+
+            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                return batch_block_attention(
+                    queries.view(-1, *shape), [cache.keys[index] for cache in caches],
+                    [cache.values[index] for cache in caches], together, buffers, self.attention_min_rows,
                 )
 
-            states = self._run(cache, tokens, positions, attend)
-            if last_only:
-                states = states[-1:]
-            logits.append(self.head(states))
-            hidden.append(states)
-        return ForwardOutput(logits, hidden if hidden_states else None)
+        states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend)
+        if last_only:
+            states = [part[-1:] for part in states]
+        return self._outputs(states, hidden_states)

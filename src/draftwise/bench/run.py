@@ -28,13 +28,14 @@ from typing import Any
 import torch
 
 from ..api import encode_prompt, eos_token_ids, generate
-from ..backend.target import Target
+from ..backend.target import Target, as_target
 from ..decoding.drafter import Drafter
 from ..decoding.latency import LatencyModel
 from ..decoding.sampling import SamplingParams
 from ..drafters import check_method, make_drafter, parse_method
 from ..errors import InvalidRequestError, UnsupportedOptionError
 from .anchors import ANCHOR_ROWS, LlamaCppRunner, anchor_gguf
+from .batched import BatchRecord, run_batched
 from .environment import PeakMemoryMeter, environment
 from .metrics import summarize
 from .prompts import Prompt, load_dataset
@@ -332,7 +333,7 @@ def run_bench(
         raise InvalidRequestError("hf-assisted needs a draft model (--draft-model)")
     eos = eos_token_ids(model, tokenizer)
     rows = plan_rows(methods, budgets)
-    latency = LatencyModel()
+    latency = LatencyModel(prior=as_target(model).cost_prior)
     meter = PeakMemoryMeter(model.device)
     if drafters is None:
         drafters = build_drafters(rows)
@@ -578,6 +579,28 @@ class Benchmark:
         finally:
             if writer is not None:
                 writer.close()
+
+    def run_batched(
+        self, batch_sizes: Sequence[int], on_record: Callable[[BatchRecord], None] | None = None
+    ) -> list[BatchRecord]:
+        """The batched benchmark (see :mod:`~draftwise.bench.batched`): every draftwise row at every batch size over
+        the first turn of every prompt; transformers and llama.cpp rows, which decode one sequence at a time, are
+        left out (:attr:`unbatched_rows`)."""
+        settings = self.settings
+        if settings.budgets or settings.turns != [1] or settings.repeats != 1:
+            raise InvalidRequestError("--batch-size runs first turns once each, at the default budget: drop --sweep, "
+                                      "--turns and --repeats")
+        prompt_ids = [_encode(self.tokenizer, prompt.conversation(1, []), settings.chat_template)
+                      for prompt in self.prompts]
+        drafters = {row.label: self.drafters[row.label] for row in self.rows if not row.is_external}
+        warm_up = _encode(self.tokenizer, WARMUP_PROMPT, settings.chat_template)
+        return run_batched(self.model, self.tokenizer, prompt_ids, drafters, batch_sizes, settings.max_new_tokens,
+                           settings.sampling, warm_up, on_record)
+
+    @property
+    def unbatched_rows(self) -> list[str]:
+        """Rows the batched benchmark leaves out (engines run one sequence at a time)."""
+        return [row.label for row in self.rows if row.is_external]
 
     def summary(self, records: Sequence[Record]) -> dict[str, dict[str, dict[str, Any]]]:
         """The metrics of ``records`` per category and overall, rows in run order."""

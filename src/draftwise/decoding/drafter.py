@@ -9,6 +9,7 @@ sampling, exactly). A drafter that learns from the target's hidden states sets :
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +81,17 @@ class Drafter(ABC):
 
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from a verification step. The default ignores it."""
+
+    def fork(self) -> Drafter:
+        """A drafter for another sequence decoded at the same time: it shares what this one has learned (and learns
+        into the same tables) but keeps its own per-sequence state, so sequences in a batch never disturb each
+        other's drafts."""
+        twin = copy.copy(self)
+        twin._own_sequence_state()
+        return twin
+
+    def _own_sequence_state(self) -> None:
+        """Replace, in a fresh shallow copy, the attributes that hold one sequence's state (see :meth:`fork`)."""
 
 
 class NoDrafter(Drafter):

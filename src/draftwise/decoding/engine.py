@@ -23,7 +23,7 @@ import torch
 from ..backend.target import Target, as_target
 from .drafter import Drafter, StepOutcome
 from .latency import LatencyModel
-from .sampling import SamplingParams, transform_logits
+from .sampling import Draws, SamplingParams, transform_logits
 from .stats import GenerationStats
 from .tree import DraftTree
 from .verify import Verification, greedy_choice, verify_greedy, verify_probabilistic, verify_sampled
@@ -63,8 +63,9 @@ class SequenceState:
         context: the prompt and every emitted token.
         output: the emitted tokens.
         finish_reason: why the sequence ended (``None`` while it runs).
-        generator: the sequence's random source (``None`` for greedy or unseeded sampling).
+        draws: the sequence's random source (see :class:`~draftwise.decoding.sampling.Draws`).
         cache: the target's KV cache for this sequence.
+        submitted: when it was queued for a batch (``time.perf_counter``; ``None`` when run directly).
         started: when its prefill began (``time.perf_counter``).
     """
 
@@ -78,8 +79,9 @@ class SequenceState:
     context: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    draws: Draws = field(default_factory=Draws)
     cache: Any = None
+    submitted: float | None = None
     started: float = 0.0
 
     @property
@@ -107,16 +109,44 @@ def accept(sequence: SequenceState, tokens: Sequence[int]) -> StepEvent:
 
 
 def draft(
-    drafter: Drafter, context: Sequence[int], budget: int, max_depth: int, latency: LatencyModel
+    drafter: Drafter, context: Sequence[int], budget: int, max_depth: int, latency: LatencyModel | None = None
 ) -> DraftTree:
-    """``drafter``'s tree for ``context``, cut to ``budget`` nodes and ``max_depth`` levels; of a scored tree only
-    the best nodes that pay for their verification cost (according to ``latency``) are kept."""
+    """``drafter``'s tree for ``context``, cut to ``budget`` nodes and ``max_depth`` levels; with ``latency``, of a
+    scored tree only the best nodes that pay for their verification cost are kept (see :func:`size_trees`)."""
     if max_depth <= 0 or budget <= 0:
         return DraftTree()
     tree = drafter.propose(context, budget).cut(budget, max_depth)
-    if tree.scores is not None and len(tree):
-        tree = tree.best(latency.best_size(sorted(tree.scores, reverse=True)))
-    return tree
+    return size_trees([tree], latency)[0] if latency is not None else tree
+
+
+def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftTree]:
+    """The trees of one forward, cut to the nodes that pay for the forward's cost as a whole.
+
+    Every sequence's root row is verified anyway; of all scored nodes, across the sequences, the best ``k`` are kept
+    with ``k`` maximising expected tokens per second, ``(sequences + sum of kept scores) / time(rows)``, so a large
+    batch, whose forward already costs more per row, verifies fewer drafts, none once they stop paying. Unscored
+    trees are verified whole.
+    """
+    rows = sum(1 + (len(tree) if tree.scores is None else 0) for tree in trees)
+    expected = float(rows)
+    ranked = sorted(
+        (
+            (-score, tree.depths[node], index, node)
+            for index, tree in enumerate(trees)
+            if tree.scores is not None
+            for node, score in enumerate(tree.scores)
+        )
+    )
+    best_count, best_rate = 0, expected / latency.cost(rows)
+    for count, (negative_score, *_rest) in enumerate(ranked, 1):
+        expected -= negative_score
+        rate = expected / latency.cost(rows + count)
+        if rate > best_rate:
+            best_count, best_rate = count, rate
+    kept = [0] * len(trees)
+    for _, _, index, _ in ranked[:best_count]:
+        kept[index] += 1
+    return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)]
 
 
 def verify(
@@ -124,7 +154,7 @@ def verify(
     tree: DraftTree,
     context: Sequence[int],
     sampling: SamplingParams,
-    generator: torch.Generator | None,
+    draws: Draws | None = None,
 ) -> tuple[Verification, torch.Tensor]:
     """Verify ``tree`` against the target's logits at every row; returns the outcome and the transformed logits.
 
@@ -137,9 +167,14 @@ def verify(
     if sampling.greedy:
         return verify_greedy(tree, greedy_choice(logits).tolist()), logits
     probabilities = torch.softmax(logits.float(), dim=-1)
+    # Row 0 decides the token at the position right after the context.
+    position = len(context)
     if tree.draft_probs is not None and len(tree):
-        return verify_probabilistic(tree, probabilities, tree.draft_probs, generator, without_replacement=True), logits
-    return verify_sampled(tree, probabilities, generator), logits
+        verification = verify_probabilistic(
+            tree, probabilities, tree.draft_probs, draws, without_replacement=True, position=position
+        )
+        return verification, logits
+    return verify_sampled(tree, probabilities, draws, position), logits
 
 
 def update(
@@ -203,7 +238,7 @@ class Decoder:
             is_stopped=is_stopped,
             stats=stats if stats is not None else GenerationStats(),
             context=[int(token) for token in prompt_ids],
-            generator=sampling.generator(self.target.device),
+            draws=sampling.draws(),
         )
 
     @torch.inference_mode()
@@ -212,12 +247,14 @@ class Decoder:
         started = time.perf_counter()
         for sequence in sequences:
             sequence.started = started
+            if sequence.submitted is not None:
+                sequence.stats.queue_time_s = started - sequence.submitted
             capacity = len(sequence.context) + sequence.max_new_tokens + self.budget + 1
             sequence.cache = self.target.new_cache(capacity)
         output = self.target.prefill([sequence.cache for sequence in sequences], [sequence.context for sequence in sequences])
         events = []
         for sequence, logits in zip(sequences, output.logits):
-            first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.generator)
+            first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws)
             event = accept(sequence, first.tokens)
             now = time.perf_counter()
             sequence.stats.time_to_first_token_s = now - sequence.started
@@ -242,9 +279,10 @@ class Decoder:
             )
             # Drafters may keep what they are given: a snapshot, since the sequence's own list keeps growing.
             context = tuple(sequence.context)
-            trees.append(draft(sequence.drafter, context, self.budget, max_depth, self.latency))
+            trees.append(draft(sequence.drafter, context, self.budget, max_depth))
             contexts.append(context)
             sequence.stats.draft_time_s += time.perf_counter() - started
+        trees = size_trees(trees, self.latency)
         want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
         forward_started = time.perf_counter()
         output = self.target.forward(
@@ -253,7 +291,7 @@ class Decoder:
             hidden_states=want_hidden,
         )
         verifications = [
-            verify(logits, tree, context, sequence.sampling, sequence.generator)
+            verify(logits, tree, context, sequence.sampling, sequence.draws)
             for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
         ]
         self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started)

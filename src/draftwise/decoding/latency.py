@@ -1,5 +1,5 @@
 """How long a verification forward takes for a given number of rows, learned while decoding, and the draft size
-that maximises expected tokens per second.
+that maximises expected tokens per second (see :func:`draftwise.decoding.engine.size_trees`).
 
 On a CPU the cost of a forward grows quickly and unevenly with the number of rows (kernel switches), so a fixed
 draft budget either wastes time on unlikely nodes or leaves speed unused. Each step the engine keeps the ``k``
@@ -10,7 +10,6 @@ best-scoring draft nodes, with ``k`` maximising ``(1 + sum of their acceptance e
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 
 #: Relative forward time by rows when nothing was measured: a neutral shape (every row costs a little, more so as
 #: rows grow). Targets loaded by :func:`draftwise.load_model` come with a curve measured on the running machine
@@ -77,14 +76,3 @@ class LatencyModel:
         # Scale the prior by the measured row count nearest to ``rows``.
         nearest = min(self._seconds, key=lambda measured: (abs(measured - rows), measured))
         return self._seconds[nearest] * self._prior(rows) / self._prior(nearest)
-
-    def best_size(self, scores: Sequence[float]) -> int:
-        """How many of the nodes (``scores`` sorted best first) to verify for the most expected tokens per second."""
-        best_count, best_rate = 0, 1.0 / self.cost(1)
-        expected = 1.0
-        for count, score in enumerate(scores, 1):
-            expected += score
-            rate = expected / self.cost(count + 1)
-            if rate > best_rate:
-                best_count, best_rate = count, rate
-        return best_count

@@ -8,6 +8,7 @@ down to that row.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,47 @@ from transformers.generation.logits_process import (
 
 from ..errors import InvalidRequestError, UnsupportedOptionError
 from .tree import DraftTree
+
+
+class Draws:
+    """Uniform random numbers for sampling, each asked for by the position of the token it decides and a stream
+    (several decisions at one position). This base draws from a ``torch.Generator`` (``None``: torch's global one)
+    and ignores the keys."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def uniform(self, position: int, stream: int = 0) -> float:
+        """A uniform number in [0, 1)."""
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+
+class PositionalDraws(Draws):
+    """Uniform numbers that depend only on the seed, the position and the stream (counter-based).
+
+    Plain sampling and speculative sampling then draw the token at a position with the very same number, so for a
+    given seed they emit the same tokens whatever drafts were verified, and a sequence samples the same whatever
+    else shares its batch."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+
+    def uniform(self, position: int, stream: int = 0) -> float:
+        return random.Random(f"{self.seed}:{position}:{stream}").random()
+
+
+def as_draws(source: Draws | torch.Generator | None) -> Draws:
+    """``source`` as :class:`Draws` (a generator or ``None`` draws from torch)."""
+    return source if isinstance(source, Draws) else Draws(source)
+
+
+def sample_token(probabilities: torch.Tensor, uniform: float) -> int:
+    """The token whose cumulative probability first exceeds ``uniform`` (inverse transform sampling: exactly a
+    draw from ``probabilities`` for a uniform ``uniform``; tokens of probability 0 are never picked)."""
+    cumulative = torch.cumsum(probabilities.double(), 0)
+    index = int(torch.searchsorted(cumulative, uniform * cumulative[-1], right=True))
+    return min(index, probabilities.shape[0] - 1)
 
 
 @dataclass(frozen=True)
@@ -83,13 +125,10 @@ class SamplingParams:
                 processors.append(MinPLogitsWarper(self.min_p))
         return processors
 
-    def generator(self, device: torch.device | str) -> torch.Generator | None:
-        """A random source seeded with :attr:`seed` (``None`` for greedy decoding or no seed: torch's global one)."""
-        if self.greedy or self.seed is None:
-            return None
-        generator = torch.Generator(device=device)
-        generator.manual_seed(self.seed)
-        return generator
+    def draws(self) -> Draws:
+        """The random source of one sequence: keyed by :attr:`seed` and position when seeded (the same token at the
+        same position however verification steps fall), torch's global generator otherwise."""
+        return PositionalDraws(self.seed) if self.seed is not None else Draws()
 
 
 def row_histories(context: Sequence[int], tree: DraftTree) -> list[list[int]]:

@@ -6,6 +6,7 @@
 - acceptance rate: accepted draft tokens / drafted tokens; per position k, the rate at which a draft token at
   depth k was accepted among steps that reached depth k with a draft on offer there.
 - tokens/s: emitted tokens / generation time (first forward to last token; tokenization outside).
+- queue time: seconds a batched sequence waited for a free slot before its first forward (not in generation time).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     time_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    queue_time_s: float = 0.0
     draft_time_s: float = 0.0
     accepted_lengths: list[int] = field(default_factory=list)
     attempts_per_position: list[int] = field(default_factory=list)

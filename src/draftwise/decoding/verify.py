@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import Draws, as_draws, sample_token
 from .tree import ROOT, DraftTree
 
 
@@ -55,7 +56,9 @@ def verify_greedy(tree: DraftTree, choices: Sequence[int]) -> Verification:
     return _walk(tree, lambda row: int(choices[row]))
 
 
-def verify_sampled(tree: DraftTree, probabilities: torch.Tensor, generator: torch.Generator | None) -> Verification:
+def verify_sampled(
+    tree: DraftTree, probabilities: torch.Tensor, draws: Draws | torch.Generator | None, position: int = 0
+) -> Verification:
     """Sampling verification of a deterministic draft tree (point-mass proposals), exact for trees.
 
     At each node draw ``y ~ p(. | node)``; if a child carries ``y``, descend into it, else emit ``y`` and stop. Every
@@ -66,9 +69,13 @@ def verify_sampled(tree: DraftTree, probabilities: torch.Tensor, generator: torc
     Args:
         tree: the verified draft tree.
         probabilities: the target distribution at every row (row 0 = root, row ``i + 1`` = node ``i``).
-        generator: random source (``None``: torch's global one).
+        draws: random source (:class:`~draftwise.decoding.sampling.Draws`, a ``torch.Generator`` or ``None`` for
+            torch's global one).
+        position: the position of the token row 0 decides (a node's row decides the one ``depth`` further).
     """
-    return _walk(tree, lambda row: int(torch.multinomial(probabilities[row], 1, generator=generator)))
+    draws = as_draws(draws)
+    depths = (0, *tree.depths)
+    return _walk(tree, lambda row: sample_token(probabilities[row], draws.uniform(position + depths[row])))
 
 
 def _walk(tree: DraftTree, choose) -> Verification:
@@ -100,8 +107,9 @@ def recursive_rejection(
     p: torch.Tensor,
     q: torch.Tensor,
     candidates: Sequence[int],
-    generator: torch.Generator | None,
+    draws: Draws | torch.Generator | None,
     without_replacement: bool = False,
+    position: int = 0,
 ) -> tuple[int | None, int]:
     """Multi-candidate rejection sampling at one node (SpecInfer / recursive rejection sampling).
 
@@ -112,11 +120,12 @@ def recursive_rejection(
     Returns:
         ``(index of the accepted candidate or None, emitted token)``.
     """
+    draws = as_draws(draws)
     p = p.double()
     q = q.double()
     for index, token in enumerate(candidates):
         ratio = p[token] / q[token] if q[token] > 0 else torch.tensor(float("inf"), dtype=p.dtype)
-        if torch.rand((), generator=generator, dtype=p.dtype) < torch.clamp(ratio, max=1.0):
+        if draws.uniform(position, 1 + index) < float(torch.clamp(ratio, max=1.0)):
             return index, int(token)
         p = residual(p, q)
         if without_replacement:
@@ -126,15 +135,16 @@ def recursive_rejection(
             if total <= 0:
                 break
             q = q / total
-    return None, int(torch.multinomial(p.float(), 1, generator=generator))
+    return None, sample_token(p, draws.uniform(position))
 
 
 def verify_probabilistic(
     tree: DraftTree,
     p_rows: torch.Tensor,
     q_rows: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws | torch.Generator | None,
     without_replacement: bool = False,
+    position: int = 0,
 ) -> Verification:
     """Rejection-sampling verification of a draft drawn from a draft distribution ``q`` (a chain or a tree).
 
@@ -145,6 +155,7 @@ def verify_probabilistic(
     children, so sibling drafts are draws without replacement: pass ``without_replacement=True`` for trees with
     several children per node (with one child per node both settings agree).
     """
+    draws = as_draws(draws)
     node = ROOT
     accepted: list[int] = []
     tokens: list[int] = []
@@ -156,11 +167,12 @@ def verify_probabilistic(
         row = node + 1
         below = children.get(node, [])
         if not below:
-            tokens.append(int(torch.multinomial(p_rows[row].float(), 1, generator=generator)))
+            tokens.append(sample_token(p_rows[row], draws.uniform(position + len(accepted))))
             return Verification(tuple(accepted), tuple(tokens), attempted)
         attempted += 1
         index, token = recursive_rejection(
-            p_rows[row], q_rows[row], [tree.tokens[child] for child in below], generator, without_replacement
+            p_rows[row], q_rows[row], [tree.tokens[child] for child in below], draws, without_replacement,
+            position + len(accepted),
         )
         tokens.append(token)
         if index is None:

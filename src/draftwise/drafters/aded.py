@@ -220,6 +220,11 @@ class AdedDrafter(Drafter):
         if self.context_rate:
             self.store.add_sequence(prompt, self.context_rate, self.cap)
 
+    def _own_sequence_state(self) -> None:
+        self.index = NGramIndex(2, 4)
+        self.rng = random.Random(self.rng.random())
+        self._kind_of_path = {}
+
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         self._kind_of_path = {}
         if len(context) < 2 or budget < 1:

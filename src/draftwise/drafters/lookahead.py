@@ -220,6 +220,13 @@ class LookaheadDrafter(Drafter):
         self._window = initial_window(self.window, self.levels, self._fill) if self._context else None
         self._indexed = 0
 
+    def _own_sequence_state(self) -> None:
+        self._random = random.Random(self._random.random())
+        self._context = ()
+        self._window = None
+        self._indexed = 0
+        self._kind_of_path = {}
+
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         if not context or budget <= 0:
             return DraftTree()

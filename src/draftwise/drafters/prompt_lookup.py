@@ -59,6 +59,12 @@ class PromptLookupDrafter(Drafter):
         self._copy_length = self.draft_length
         self._streak = 0
 
+    def _own_sequence_state(self) -> None:
+        self.index = NGramIndex(self.index.min_n, self.index.max_n)
+        self._copy_length = self.draft_length
+        self._matched_n = 0
+        self._streak = 0
+
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         self.index.extend(context)
         paths: list[tuple[list[float], tuple[int, ...]]] = []

@@ -90,6 +90,9 @@ class RestDrafter(Drafter):
         if self.datastore is not None:
             self.datastore.check_token_ids(prompt)
 
+    def _own_sequence_state(self) -> None:
+        self._tries = []
+
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         candidates: dict[Prefix, float] = {}
         self._tries = []

@@ -61,6 +61,9 @@ class TokenRecyclingDrafter(Drafter):
         """The adjacency matrix: row ``t`` holds the model's latest top-k tokens after ``t``."""
         return self.successors.matrix
 
+    def _own_sequence_state(self) -> None:
+        self._rank_of_path = {}
+
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         tokens: list[int] = []
         parents: list[int] = []

@@ -1,0 +1,189 @@
+"""The batched benchmark (``draftwise bench --batch-size 1,4,8``): every prompt submitted at once, decoded ``N`` at
+a time by the continuous-batching scheduler, for each draftwise row and batch size.
+
+Reported per (row, batch size): aggregate tokens/s (all new tokens over the wall time of the whole batch), each
+request's latency (from its admission to its last token, and from submission, queueing included), mean accepted
+tokens per step, and how many prompts got exactly the ids they get at batch size 1 (the exactness guarantee; batch
+size 1 is always run as the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..api import generate
+from ..backend.target import as_target
+from ..decoding.drafter import Drafter
+from ..decoding.latency import LatencyModel
+from ..decoding.sampling import SamplingParams
+from ..errors import InvalidRequestError
+
+#: Tokens of the warm-up batch at each batch size.
+WARMUP_TOKENS = 16
+
+
+@dataclass
+class BatchRecord:
+    """One row at one batch size, over every prompt.
+
+    Attributes:
+        label: the row (method spec).
+        batch_size: most sequences per forward.
+        prompts: how many prompts were submitted.
+        new_tokens: tokens generated over all prompts.
+        wall_s: seconds from submitting every prompt to the last one finishing.
+        latency_s: each request's seconds from its admission (prefill) to its last token.
+        queued_latency_s: each request's seconds from submission to its last token (waiting for a slot included).
+        steps: decoding steps summed over the prompts.
+        exact: prompts whose ids equal the row's batch-1 ids.
+        exact_vs_ar: prompts whose ids equal ``ar``'s batch-1 ids (greedy runs).
+        token_ids: every prompt's generated ids.
+    """
+
+    label: str
+    batch_size: int
+    prompts: int
+    new_tokens: int
+    wall_s: float
+    latency_s: list[float]
+    queued_latency_s: list[float]
+    steps: int
+    exact: int = 0
+    exact_vs_ar: int | None = None
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The record's metrics without the ids, rounded, JSON-ready."""
+        return {
+            "row": self.label,
+            "batch_size": self.batch_size,
+            "prompts": self.prompts,
+            "new_tokens": self.new_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 3),
+            "latency_p50_s": round(_percentile(self.latency_s, 50), 3),
+            "latency_p90_s": round(_percentile(self.latency_s, 90), 3),
+            "queued_latency_p50_s": round(_percentile(self.queued_latency_s, 50), 3),
+            "queued_latency_p90_s": round(_percentile(self.queued_latency_s, 90), 3),
+            "exact_vs_batch_1": f"{self.exact}/{self.prompts}",
+            "exact_vs_ar": None if self.exact_vs_ar is None else f"{self.exact_vs_ar}/{self.prompts}",
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _percentile(values: Sequence[float], percent: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=100, method="inclusive")[int(percent) - 1])
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,4,8"`` as batch sizes (1 is added: it is the reference every batch is compared with)."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise InvalidRequestError(f"--batch-size takes positive integers separated by commas, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise InvalidRequestError(f"--batch-size takes positive integers separated by commas, got {text!r}")
+    return sorted({1, *sizes})
+
+
+def run_batched(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    drafters: dict[str, Drafter],
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    warm_up_ids: Sequence[int] | None = None,
+    on_record: Callable[[BatchRecord], None] | None = None,
+) -> list[BatchRecord]:
+    """Run every row (``drafters``, by label, ``ar`` among them) at every batch size over all of ``prompt_ids``.
+
+    Each row keeps its drafter across batch sizes (a batch forks it per sequence, sharing what it learns) and all
+    rows share one forward-time model. Batch size 1 runs first and is each row's reference.
+    """
+    if "ar" not in drafters:
+        raise InvalidRequestError("the rows need 'ar': it is the reference")
+    if not prompt_ids:
+        raise InvalidRequestError("no prompts selected")
+    sizes = sorted({1, *batch_sizes})
+    latency = LatencyModel(prior=as_target(model).cost_prior)
+    sampling = sampling or SamplingParams()
+    if warm_up_ids is not None:
+        for drafter in drafters.values():
+            for size in sizes:
+                generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
+                         max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
+    records: list[BatchRecord] = []
+    reference: dict[str, list[list[int]]] = {}
+    for label, drafter in drafters.items():
+        for size in sizes:
+            started = time.perf_counter()
+            results = generate(model, tokenizer, prompt_ids=[list(ids) for ids in prompt_ids], method=drafter,
+                               max_new_tokens=max_new_tokens, latency=latency, sampling=sampling, max_batch=size)
+            wall = time.perf_counter() - started
+            ids = [result.token_ids for result in results]
+            reference.setdefault(label, ids)
+            record = BatchRecord(
+                label=label,
+                batch_size=size,
+                prompts=len(results),
+                new_tokens=sum(len(tokens) for tokens in ids),
+                wall_s=wall,
+                latency_s=[result.stats.time_s for result in results],
+                queued_latency_s=[result.stats.queue_time_s + result.stats.time_s for result in results],
+                steps=sum(result.stats.steps for result in results),
+                exact=sum(a == b for a, b in zip(ids, reference[label])),
+                exact_vs_ar=sum(a == b for a, b in zip(ids, reference["ar"])) if sampling.greedy else None,
+                token_ids=ids,
+            )
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+    return records
+
+
+def batch_table_rows(records: Sequence[BatchRecord]) -> list[dict[str, Any]]:
+    """Each record's summary with its speed relative to the same row at batch 1 and to ``ar`` at the same batch
+    size."""
+    rate = {(record.label, record.batch_size): record.tokens_per_s for record in records}
+    rows = []
+    for record in records:
+        summary = record.summary()
+        one = rate.get((record.label, 1))
+        ar = rate.get(("ar", record.batch_size))
+        summary["vs_batch_1"] = round(record.tokens_per_s / one, 2) if one else None
+        summary["vs_ar"] = round(record.tokens_per_s / ar, 2) if ar else None
+        rows.append(summary)
+    return rows
+
+
+def write_batched_json(
+    path: str, rows: Sequence[dict[str, Any]], records: Sequence[BatchRecord], env: dict, settings: dict
+) -> None:
+    """The batched benchmark's table rows, every record (with ids), the environment and the settings, as JSON."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    payload = {"settings": settings, "environment": env, "summary": list(rows),
+               "records": [record.to_json() for record in records]}
+    Path(path).write_text(json.dumps(payload, indent=1))

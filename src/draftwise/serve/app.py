@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP API over a :class:`~draftwise.serve.engine.ServingEngine`.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent
+events, one event per generated token), ``GET /health`` and ``GET /metrics`` (Prometheus).
+
+Every response carries the request's speculation statistics in the extension field ``draftwise`` (in a stream: in
+the chunk that carries the finish reason, and in the usage chunk):
+``method``, ``steps`` (forward passes), ``mean_accepted_tokens`` (new tokens / steps), ``mean_acceptance_length``
+(1 + accepted / drafts, vLLM's definition), ``draft_acceptance_rate`` (accepted / drafted tokens), ``drafts``,
+``drafted_tokens``, ``accepted_tokens``, ``acceptance_per_position``, ``queue_time_s``, ``time_to_first_token_s``
+(from admission) and ``time_s`` (admission to last token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..api import SettledText, StopSequences, encode_prompt
+from ..decoding.stats import GenerationStats
+from ..errors import InvalidRequestError
+from .engine import ServerBusyError, ServingEngine, TokenEvent
+from .protocol import FINISH_REASONS, ChatCompletionRequest, CompletionRequest, max_new_tokens
+
+#: Tokens generated when a request names no limit (cut to the room left in the context window).
+DEFAULT_MAX_TOKENS = 256
+#: How often a waiting non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def speculation_stats(stats: GenerationStats, method: str) -> dict[str, Any]:
+    """The extension field ``draftwise`` of a response: the request's speculation statistics."""
+    drafts = stats.attempts_per_position[0] if stats.attempts_per_position else 0
+    return {
+        "method": method,
+        "steps": stats.steps,
+        "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4),
+        "mean_acceptance_length": round(1 + stats.accepted_tokens / drafts, 4) if drafts else 1.0,
+        "draft_acceptance_rate": round(stats.acceptance_rate, 4),
+        "drafts": drafts,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_per_position": [round(rate, 4) for rate in stats.acceptance_per_position],
+        "queue_time_s": round(stats.queue_time_s, 4),
+        "time_to_first_token_s": round(stats.time_to_first_token_s, 4),
+        "time_s": round(stats.time_s, 4),
+    }
+
+
+@dataclass
+class _Job:
+    """One request on its way through the engine, as the web layer sees it."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    prompt_ids: list[int]
+    events: asyncio.Queue
+    ticket: Any
+    stops: StopSequences | None
+    identifier: str
+    created: int
+
+
+class Server:
+    """The web layer: request parsing, the engine's events turned into OpenAI responses.
+
+    Args:
+        engine: the serving engine (started and stopped with the app).
+        model_name: the name clients give as ``model`` (``/v1/models`` lists it).
+        default_max_tokens: tokens generated when a request names no limit.
+    """
+
+    def __init__(self, engine: ServingEngine, model_name: str, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+
+    # -- requests -------------------------------------------------------------------------------------------------
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           code="model_not_found")
+
+    async def _submit(self, kind: str, request: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> _Job:
+        request.refuse_unsupported()
+        sampling = request.sampling()
+        limit = max_new_tokens(request, self.default_max_tokens, self.engine.context_length - len(prompt_ids))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def on_event(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        stops = request.stops()
+        try:
+            ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos)
+        except ServerBusyError as error:
+            self.engine.metrics.request_refused()
+            raise APIError(503, str(error), kind="server_overloaded", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
+        return _Job(kind, prompt_ids, events, ticket, StopSequences(self.engine.tokenizer, stops) if stops else None,
+                    f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _prompt_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if isinstance(request, ChatCompletionRequest):
+            return encode_prompt(tokenizer, request.chat(), chat_template=True)
+        if isinstance(request.prompt, str):
+            return encode_prompt(tokenizer, request.prompt, chat_template=False)
+        vocab = self.engine.target.config.vocab_size
+        if any(token < 0 or token >= vocab for token in request.prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return list(request.prompt)
+
+    async def handle(self, kind: str, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
+        self._check_model(request.model)
+        job = await self._submit(kind, request, self._prompt_ids(request))
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return StreamingResponse(self._stream(job, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await self._complete(job, http))
+
+    # -- answers --------------------------------------------------------------------------------------------------
+
+    def _usage(self, job: _Job, completion_tokens: int) -> dict[str, int]:
+        prompt = len(job.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+    def _chunk_choice(self, job: _Job, piece: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        """A stream chunk's choice: one token's settled text."""
+        reason = None if finish_reason is None else FINISH_REASONS.get(finish_reason, finish_reason)
+        if job.kind == "text_completion":
+            return {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+        delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else {"content": piece}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    async def _next_event(self, job: _Job, http: Request | None) -> TokenEvent:
+        """The job's next event; a client gone away cancels the job."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if http is not None and await http.is_disconnected():
+                    self.engine.cancel(job.ticket)
+                    raise asyncio.CancelledError from None
+
+    async def _complete(self, job: _Job, http: Request) -> dict[str, Any]:
+        tokens: list[int] = []
+        while True:
+            event = await self._next_event(job, http)
+            tokens.extend(event.tokens)
+            if event.finish_reason is not None:
+                break
+        if event.finish_reason == "error":
+            raise APIError(500, event.error or "the engine failed", kind="server_error")
+        text = SettledText(self.engine.tokenizer, job.stops).advance(tokens, finished=True)
+        reason = FINISH_REASONS.get(event.finish_reason, event.finish_reason)
+        if job.kind == "text_completion":
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            obj = "chat.completion"
+        return {
+            "id": job.identifier,
+            "object": obj,
+            "created": job.created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": self._usage(job, len(tokens)),
+            "draftwise": speculation_stats(event.stats or GenerationStats(), self.engine.method),
+        }
+
+    async def _stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+        """One server-sent event per generated token (its settled text, possibly empty while a stop sequence or
+        a character is undecided), the finish reason with the last token; then the usage chunk when asked for."""
+        chunk_object = "text_completion" if job.kind == "text_completion" else "chat.completion.chunk"
+        settled = SettledText(self.engine.tokenizer, job.stops)
+        tokens: list[int] = []
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": job.identifier, "object": chunk_object, "created": job.created, "model": self.model_name,
+                    "choices": choices, **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        finished = False
+        try:
+            first = True
+            while not finished:
+                event = await self._next_event(job, None)
+                if event.finish_reason == "error":
+                    error = {"message": event.error or "the engine failed", "type": "server_error", "code": None}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    finished = True
+                    break
+                for position, token in enumerate(event.tokens):
+                    tokens.append(token)
+                    last = position == len(event.tokens) - 1 and event.finish_reason is not None
+                    piece = settled.advance(tokens, finished=last)
+                    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+                    if last:
+                        extra["draftwise"] = speculation_stats(event.stats or GenerationStats(), self.engine.method)
+                    reason = event.finish_reason if last else None
+                    yield chunk([self._chunk_choice(job, piece, reason, first)], **extra)
+                    first = False
+                if event.finish_reason is not None:
+                    finished = True
+                    if include_usage:
+                        yield chunk([], usage=self._usage(job, len(tokens)),
+                                    draftwise=speculation_stats(event.stats or GenerationStats(), self.engine.method))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream
+                self.engine.cancel(job.ticket)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "draftwise",
+             "max_model_len": self.engine.context_length},
+        ]}
+
+
+def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """The FastAPI application serving ``engine`` under ``model_name`` (the engine runs while the app does)."""
+    server = Server(engine, model_name, default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="draftwise", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
+        return APIError(400, str(error)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return APIError(400, _validation_message(error)).response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "running": engine.running, "waiting": engine.waiting}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.handle("text_completion", body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.handle("chat.completion", body, request)
+
+    return app
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    """pydantic's errors as one readable sentence per problem."""
+    messages = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")
+        kind = problem.get("type", "")
+        if kind == "json_invalid":
+            messages.append("the request body is not valid JSON")
+        elif kind == "extra_forbidden":
+            messages.append(f"'{location}' is not a supported option")
+        elif kind == "missing":
+            messages.append(f"'{location}' is required")
+        else:
+            message = str(problem.get("msg", "invalid value")).removeprefix("Value error, ")
+            messages.append(f"'{location}': {message}" if location else message)
+    return "; ".join(dict.fromkeys(messages)) or "invalid request"

@@ -1,0 +1,286 @@
+"""The serving engine: one continuous-batching decoder on a worker thread, fed by requests from any thread.
+
+Requests are queued (a bounded queue: a full one refuses new requests instead of growing), join the running batch
+between steps and leave it as they finish or are cancelled. Each request hears about its tokens through a callback
+called on the worker thread after every step that emitted some (the web layer hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..api import StopSequences, check_request, eos_token_ids
+from ..backend.target import Target, as_target
+from ..decoding.batch import DEFAULT_MAX_BATCH, Scheduler
+from ..decoding.engine import DEFAULT_BUDGET, Decoder, SequenceState
+from ..decoding.sampling import SamplingParams
+from ..decoding.stats import GenerationStats
+from ..drafters import Drafter, make_drafter
+from ..errors import DraftwiseError
+from .metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+#: Requests that may wait for a slot before new ones are refused.
+DEFAULT_MAX_WAITING = 256
+
+
+class ServerBusyError(DraftwiseError):
+    """The request queue is full: try again later."""
+
+
+@dataclass
+class TokenEvent:
+    """Tokens one step emitted for a request; at its end, why it finished and its statistics.
+
+    ``finish_reason`` is ``"error"`` (with ``error`` set) when the engine failed.
+    """
+
+    tokens: list[int]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A submitted request: what the worker needs to start it, and its sequence once started."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stops: StopSequences | None
+    on_event: Callable[[TokenEvent], None]
+    eos: tuple[int, ...] = ()
+    submitted: float = field(default_factory=time.perf_counter)
+    state: SequenceState | None = None
+    cancelled: bool = False
+
+
+class ServingEngine:
+    """Runs requests through a :class:`~draftwise.decoding.batch.Scheduler` on a worker thread.
+
+    Args:
+        model: the target (from :func:`draftwise.load_model`) or a transformers causal LM.
+        tokenizer: its tokenizer.
+        method: the decoding method every request runs (a spec such as ``"pld"`` or ``"aded:corpus=..."``); each
+            request drafts with a fork of one drafter, so what a learning drafter learns serves every request.
+        max_batch: most sequences in one forward.
+        max_waiting: most requests waiting for a slot; more are refused with :class:`ServerBusyError`.
+        budget: most draft nodes per sequence and step.
+        metrics: where counters and histograms go (a fresh registry when ``None``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        method: str | Drafter = "pld",
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        budget: int = DEFAULT_BUDGET,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.target: Target = as_target(model)
+        self.tokenizer = tokenizer
+        self.method = method if isinstance(method, str) else (method.name or type(method).__name__)
+        self.drafter = method if isinstance(method, Drafter) else make_drafter(method)
+        self.decoder = Decoder(self.target, budget=budget)
+        self.scheduler = Scheduler(self.decoder, max_batch)
+        self.max_waiting = max_waiting
+        self.eos = eos_token_ids(self.target.model, tokenizer)
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self._inbox: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
+        self._cancelled: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
+        self._pending = 0  # submitted, not yet started
+        self._lock = threading.Lock()
+        self._tickets: dict[int, Ticket] = {}  # id(state) -> ticket, for running and waiting sequences
+        self._seen: dict[int, tuple[int, int, int, list[int]]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- any thread ---------------------------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.target.context_length
+
+    def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse a request the engine cannot serve (see :func:`draftwise.api.check_request`)."""
+        check_request(self.context_length, prompt_ids, max_new_tokens, self.decoder.budget)
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        on_event: Callable[[TokenEvent], None],
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> Ticket:
+        """Queue a request; ``on_event`` is called on the worker thread with each step's tokens for it
+        (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``).
+
+        Raises:
+            InvalidRequestError: a request the engine cannot serve.
+            ServerBusyError: the queue is full.
+        """
+        self.check(prompt_ids, max_new_tokens)
+        ticket = Ticket(
+            prompt_ids=[int(token) for token in prompt_ids],
+            max_new_tokens=max_new_tokens,
+            sampling=sampling or SamplingParams(),
+            stops=StopSequences(self.tokenizer, list(stop)) if stop else None,
+            on_event=on_event,
+            eos=() if ignore_eos else tuple(self.eos),
+        )
+        with self._lock:
+            if self._pending + len(self.scheduler.waiting) >= self.max_waiting:
+                raise ServerBusyError(
+                    f"the server is at capacity ({self.max_waiting} requests waiting); retry later"
+                )
+            self._pending += 1
+        self._inbox.put(ticket)
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop a request (a client went away); its slot is free at the next step."""
+        ticket.cancelled = True
+        self._cancelled.put(ticket)
+        self._inbox.put(None)  # wake the worker
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="draftwise-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the worker thread (requests still running get no more events)."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._pending
+
+    # -- the worker thread ----------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping.is_set():
+            self._take_inbox(block=self.scheduler.idle)
+            self._drop_cancelled()
+            if self.scheduler.idle:
+                continue
+            try:
+                events = self.scheduler.step()
+            except Exception as error:  # noqa: BLE001 - every request must hear about it, and the server go on
+                logger.exception("decoding step failed")
+                self._fail_all(f"the engine failed: {type(error).__name__}: {error}")
+                continue
+            for state, event in events:
+                self._deliver(state, event.tokens, event.finish_reason)
+            self.metrics.set_load(self.running, self.waiting)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self._start(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _start(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._pending -= 1
+        if ticket.cancelled:
+            return
+        state = self.decoder.start(
+            ticket.prompt_ids,
+            self.drafter.fork(),
+            max_new_tokens=ticket.max_new_tokens,
+            eos_token_ids=ticket.eos,
+            is_stopped=ticket.stops,
+            sampling=ticket.sampling,
+        )
+        ticket.state = state
+        self._tickets[id(state)] = ticket
+        self.scheduler.submit(state)
+        state.submitted = ticket.submitted
+
+    def _drop_cancelled(self) -> None:
+        while True:
+            try:
+                ticket = self._cancelled.get_nowait()
+            except queue.Empty:
+                return
+            if ticket.state is not None and id(ticket.state) in self._tickets:
+                self.scheduler.cancel(ticket.state)
+                self._forget(ticket.state)
+                self.metrics.request_cancelled()
+
+    def _forget(self, state: SequenceState) -> None:
+        self._tickets.pop(id(state), None)
+        self._seen.pop(id(state), None)
+
+    def _deliver(self, state: SequenceState, tokens: list[int], finish_reason: str | None) -> None:
+        ticket = self._tickets.get(id(state))
+        if ticket is None:
+            return
+        self._count_drafts(state)
+        if finish_reason is not None:
+            self._forget(state)
+            self.metrics.request_finished(state, time.perf_counter() - ticket.submitted)
+        try:
+            ticket.on_event(TokenEvent(list(tokens), finish_reason, state.stats if finish_reason else None))
+        except Exception:  # noqa: BLE001 - a broken listener must not stop the other requests
+            logger.exception("a request's listener failed; cancelling it")
+            if finish_reason is None:
+                self.scheduler.cancel(state)
+                self._forget(state)
+
+    def _count_drafts(self, state: SequenceState) -> None:
+        """Add what this sequence drafted and had accepted since its last step to the speculation counters."""
+        stats = state.stats
+        before = self._seen.get(id(state), (0, 0, 0, []))
+        now = (
+            stats.attempts_per_position[0] if stats.attempts_per_position else 0,
+            stats.drafted_tokens,
+            stats.accepted_tokens,
+            list(stats.accepts_per_position),
+        )
+        per_position = [
+            count - (before[3][position] if position < len(before[3]) else 0) for position, count in enumerate(now[3])
+        ]
+        self.metrics.count_drafts(now[0] - before[0], now[1] - before[1], now[2] - before[2], per_position)
+        self._seen[id(state)] = now
+
+    def _fail_all(self, message: str) -> None:
+        for state in list(self.scheduler.running) + list(self.scheduler.waiting):
+            ticket = self._tickets.get(id(state))
+            self.scheduler.cancel(state)
+            self._forget(state)
+            if ticket is not None:
+                try:
+                    ticket.on_event(TokenEvent([], "error", state.stats, message))
+                except Exception:  # noqa: BLE001
+                    logger.exception("a request's listener failed")

@@ -1,0 +1,157 @@
+"""Batched generation: every sequence gets exactly its batch-1 output, with ragged prompts, ends at different steps,
+sequences joining mid-flight, every method, greedy and seeded sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny import ChatCharTokenizer, make_tiny_model, repetitive_prompt
+
+import draftwise
+from draftwise.backend.invariance import plan_rows
+from draftwise.backend.lean import LeanTarget
+from draftwise.backend.machine import MeasurementStore
+from draftwise.backend.target import Target
+from draftwise.decoding.batch import Scheduler
+from draftwise.decoding.drafter import NoDrafter
+from draftwise.decoding.engine import Decoder, FinishReason
+from draftwise.errors import InvalidRequestError
+
+METHODS = sorted(draftwise.METHODS)
+
+
+@pytest.fixture(scope="module", params=["lean-float32", "lean-bfloat16", "transformers"])
+def target(request, tmp_path_factory):
+    """Each way the engine runs a model: the lean forward in two dtypes, and transformers' public forward."""
+    backend, _, dtype = request.param.partition("-")
+    model = make_tiny_model("qwen2", seed=0).to(getattr(torch, dtype or "float32"))
+    if backend == "transformers":
+        return model
+    lean = LeanTarget(model)
+    plan_rows(lean, MeasurementStore(tmp_path_factory.mktemp("machine")))
+    return lean
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [repetitive_prompt(rng, low=5, high=70) for _ in range(count)]
+
+
+def with_eos(target, eos):
+    model = target.model if isinstance(target, Target) else target
+    model.generation_config.eos_token_id = eos
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_sequence_gets_its_batch_1_ids(target, method):
+    batch = prompts(7, seed=METHODS.index(method))
+    alone = [
+        draftwise.generate(target, None, prompt_ids=prompt, method=method, max_new_tokens=30).token_ids
+        for prompt in batch
+    ]
+    for max_batch in (1, 3, 16):
+        results = draftwise.generate(target, None, prompt_ids=batch, method=method, max_new_tokens=30, max_batch=max_batch)
+        assert [result.token_ids for result in results] == alone, max_batch
+
+
+def test_sequences_end_at_different_steps(target):
+    """An EOS token ends each sequence where it ends alone, mid-batch; the others go on."""
+    batch = prompts(6, seed=11)
+    first = draftwise.generate(target, None, prompt_ids=batch, method="ar", max_new_tokens=24)
+    eos = first[0].token_ids[5]
+    with_eos(target, eos)
+    try:
+        alone = [draftwise.generate(target, None, prompt_ids=prompt, method="pld", max_new_tokens=24) for prompt in batch]
+        together = draftwise.generate(target, None, prompt_ids=batch, method="pld", max_new_tokens=24, max_batch=4)
+    finally:
+        with_eos(target, None)
+    assert [result.token_ids for result in together] == [result.token_ids for result in alone]
+    assert [result.finish_reason for result in together] == [result.finish_reason for result in alone]
+    assert together[0].finish_reason == FinishReason.EOS and len({len(result.token_ids) for result in together}) > 1
+
+
+def test_sequences_join_between_steps(target):
+    """The continuous-batching core: a sequence submitted while others run joins at the next step and still gets
+    its batch-1 tokens; finished sequences free their slot."""
+    batch = prompts(5, seed=12)
+    expected = [
+        draftwise.generate(target, None, prompt_ids=prompt, method="pld", max_new_tokens=16 + 4 * index).token_ids
+        for index, prompt in enumerate(batch)
+    ]
+    decoder = Decoder(target)
+    scheduler = Scheduler(decoder, max_batch=3)
+    states = [
+        decoder.start(prompt, draftwise.make_drafter("pld"), max_new_tokens=16 + 4 * index)
+        for index, prompt in enumerate(batch)
+    ]
+    scheduler.submit(states[:2])
+    steps = 0
+    while not scheduler.idle:
+        if steps == 3:
+            scheduler.submit(states[2:])  # join mid-flight
+        scheduler.step()
+        assert len(scheduler.running) <= 3
+        steps += 1
+    assert [state.output for state in states] == expected
+
+
+def test_cancelled_sequence_frees_its_slot(target):
+    batch = prompts(3, seed=13)
+    decoder = Decoder(target)
+    scheduler = Scheduler(decoder, max_batch=2)
+    states = [decoder.start(prompt, NoDrafter(), max_new_tokens=10) for prompt in batch]
+    scheduler.submit(states)
+    scheduler.step()
+    assert scheduler.running == states[:2]
+    scheduler.cancel(states[0])
+    scheduler.step()
+    assert states[2] in scheduler.running and states[0] not in scheduler.running
+    with pytest.raises(InvalidRequestError):
+        Scheduler(decoder, max_batch=0)
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_plain(target):
+    """Each token is drawn with a number tied to the seed and its position: a seeded request samples the same
+    tokens alone or in a batch, and speculative sampling the same tokens as plain sampling."""
+    batch = prompts(4, seed=14)
+    options = dict(max_new_tokens=24, temperature=0.9, top_k=20)
+    plain = [
+        draftwise.generate(target, None, prompt_ids=prompt, method="ar", seed=100 + index, **options).token_ids
+        for index, prompt in enumerate(batch)
+    ]
+    for method in ("ar", "pld", "recycling"):
+        alone = [
+            draftwise.generate(target, None, prompt_ids=prompt, method=method, seed=100 + index, **options).token_ids
+            for index, prompt in enumerate(batch)
+        ]
+        assert alone == plain, method
+    # A batch shares one sampling configuration: compare with requests of the same seed decoded alone.
+    together = draftwise.generate(target, None, prompt_ids=batch, method="pld", seed=7, **options)
+    assert [result.token_ids for result in together] == [
+        draftwise.generate(target, None, prompt_ids=prompt, method="pld", seed=7, **options).token_ids for prompt in batch
+    ]
+
+
+def test_streaming_a_batch(tiny_llama):
+    tokenizer = ChatCharTokenizer()
+    texts = ["ĀāĂăĀāĂă", "ĆćĈĉĆćĈĉĆć", "ĊċČč"]
+    expected = draftwise.generate(tiny_llama, tokenizer, texts, method="pld", max_new_tokens=12)
+    stream = draftwise.stream(tiny_llama, tokenizer, texts, method="pld", max_new_tokens=12, max_batch=2)
+    pieces = {index: "" for index in range(len(texts))}
+    for index, piece in stream:
+        pieces[index] += piece
+    assert [pieces[index] for index in range(len(texts))] == [result.text for result in expected]
+    assert [result.token_ids for result in stream.results] == [result.token_ids for result in expected]
+    with pytest.raises(RuntimeError, match="results"):
+        stream.result
+
+
+def test_batch_inputs_are_checked(tiny_llama):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        draftwise.generate(tiny_llama, None, prompt_ids=[[1, 2], []], max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="prompt must be"):
+        draftwise.generate(tiny_llama, ChatCharTokenizer(), ["a", 3], max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="max_batch"):
+        draftwise.generate(tiny_llama, None, prompt_ids=[[1, 2], [3]], max_new_tokens=4, max_batch=0)

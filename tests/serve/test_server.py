@@ -1,0 +1,319 @@
+"""The OpenAI-compatible server, driven with the official ``openai`` client over loopback: answers equal
+``draftwise.generate``, streams carry one token per event and join to the same text, bad requests get a 4xx with a
+message, disconnects free their slot, a full queue answers 503, and a bounded load test of 64 concurrent streaming
+clients finishes without errors, each client with its own text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import resource
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+import uvicorn
+from tiny import ChatCharTokenizer, make_tiny_model, repetitive_prompt
+
+import draftwise
+from draftwise.backend.invariance import plan_rows
+from draftwise.backend.lean import LeanTarget
+from draftwise.backend.machine import MeasurementStore
+from draftwise.serve import ServerBusyError, ServingEngine, create_app
+from draftwise.serve.load import run_load
+
+MODEL = "tiny-qwen2"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RunningServer:
+    """A uvicorn server on a thread, on a free loopback port."""
+
+    def __init__(self, engine: ServingEngine, default_max_tokens: int = 24) -> None:
+        self.engine = engine
+        self.port = free_port()
+        config = uvicorn.Config(create_app(engine, MODEL, default_max_tokens), host="127.0.0.1", port=self.port,
+                                log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def post(self, path: str, body: bytes | dict, content_type: str = "application/json") -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def get(self, path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(self.base + path, timeout=30) as response:
+            return response.status, response.read().decode()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model = make_tiny_model("qwen2", seed=0)
+    lean = LeanTarget(model)
+    plan_rows(lean, MeasurementStore(tmp_path_factory.mktemp("machine")))
+    return lean
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    running = RunningServer(ServingEngine(target, ChatCharTokenizer(), "pld", max_batch=8))
+    yield running
+    running.stop()
+
+
+def text_prompt(seed: int, low: int = 10, high: int = 40) -> str:
+    return "".join(chr(0x100 + token) for token in repetitive_prompt(random.Random(seed), low=low, high=high))
+
+
+def test_models_and_health(server):
+    models = server.client.models.list()
+    assert [model.id for model in models.data] == [MODEL]
+    status, body = server.get("/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_completion_equals_generate(target, method):
+    running = RunningServer(ServingEngine(target, ChatCharTokenizer(), method))
+    try:
+        for seed in range(3):
+            prompt = text_prompt(seed)
+            expected = draftwise.generate(target, ChatCharTokenizer(), prompt, method=method, max_new_tokens=30)
+            answer = running.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+            assert answer.choices[0].text == expected.text
+            assert answer.usage.completion_tokens == len(expected.token_ids)
+            assert answer.usage.prompt_tokens == len(expected.prompt_ids)
+            assert answer.choices[0].finish_reason == "length"
+            stats = answer.model_extra["draftwise"]
+            # Steps depend on draft sizes, which follow the measured forward times: not compared.
+            assert stats["method"] == method and 0 < stats["steps"] <= len(expected.token_ids)
+    finally:
+        running.stop()
+
+
+def test_chat_completion_and_token_prompt_equal_generate(server, target):
+    messages = [{"role": "system", "content": "ĀāĂ"}, {"role": "user", "content": text_prompt(5)}]
+    expected = draftwise.generate(target, ChatCharTokenizer(), messages, method="pld", max_new_tokens=20)
+    answer = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert answer.choices[0].message.content == expected.text
+    assert answer.choices[0].message.role == "assistant"
+    by_ids = server.client.completions.create(model=MODEL, prompt=expected.prompt_ids, max_tokens=20, temperature=0)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_stream_one_token_per_event_joins_to_the_text(server, target):
+    prompt = text_prompt(7)
+    expected = draftwise.generate(target, ChatCharTokenizer(), prompt, method="pld", max_new_tokens=40)
+    assert expected.stats.mean_accepted_tokens > 1  # multi-token steps happen
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    token_chunks = [chunk for chunk in chunks if chunk.choices]
+    assert len(token_chunks) == len(expected.token_ids)
+    assert "".join(chunk.choices[0].text for chunk in token_chunks) == expected.text
+    assert [chunk.choices[0].finish_reason for chunk in token_chunks][-2:] == [None, "length"]
+    usage = chunks[-1]
+    assert not usage.choices and usage.usage.completion_tokens == len(expected.token_ids)
+    assert usage.model_extra["draftwise"]["mean_accepted_tokens"] > 1
+
+    messages = [{"role": "user", "content": prompt}]
+    expected_chat = draftwise.generate(target, ChatCharTokenizer(), messages, method="pld", max_new_tokens=40)
+    chat_chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                                             temperature=0, stream=True))
+    assert len(chat_chunks) == len(expected_chat.token_ids)
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content for chunk in chat_chunks) == expected_chat.text
+
+
+def test_stop_sequences_and_seeded_sampling(server, target):
+    prompt = text_prompt(9)
+    plain = draftwise.generate(target, ChatCharTokenizer(), prompt, method="ar", max_new_tokens=30)
+    stop = plain.text[10:12]
+    expected = draftwise.generate(target, ChatCharTokenizer(), prompt, method="pld", max_new_tokens=30, stop=[stop])
+    answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop)
+    assert answer.choices[0].text == expected.text and answer.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                                stop=[stop], stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
+
+    options = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
+    sampled = draftwise.generate(target, ChatCharTokenizer(), prompt, method="ar", max_new_tokens=30, **options)
+    answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, **options)
+    assert answer.choices[0].text == sampled.text
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": MODEL, "prompt": "Āā", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": "gpt-4", "prompt": "Āā"}, 404, "does not exist"),
+    ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    ({"model": MODEL, "prompt": "Āā", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "Āā", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "Ā" * 300}, 400, "context window"),
+    ({"model": MODEL, "prompt": "Āā", "max_tokens": 1000}, 400, "context window"),
+    ({"model": MODEL, "prompt": "Āā", "n": 2}, 400, "'n'"),
+    ({"model": MODEL, "prompt": "Āā", "logprobs": 3}, 400, "'logprobs'"),
+    ({"model": MODEL, "prompt": "Āā", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "Āā", "mirostat": 1}, 400, "'mirostat' is not a supported option"),
+    ({"model": MODEL, "prompt": "Āā", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "Āā", "temperature": 0, "top_p": 0.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": [1, 2, 9999]}, 400, "token ids"),
+    ({"prompt": "Āā"}, 400, "'model' is required"),
+])
+def test_bad_completion_requests(server, body, status, message):
+    code, answer = server.post("/v1/completions", body)
+    assert code == status, answer
+    assert message in answer["error"]["message"], answer
+    assert answer["error"]["type"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"model": MODEL, "messages": []}, "messages is empty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, "every message is empty"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "Āā"}]}, "role"),
+    ({"model": MODEL, "messages": "Āā"}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "max_completion_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "stream_options": {"include_usage": True}},
+     "stream_options"),
+])
+def test_bad_chat_requests(server, body, message):
+    code, answer = server.post("/v1/chat/completions", body)
+    assert code == 400, answer
+    assert message in answer["error"]["message"], answer
+
+
+def test_openai_client_raises_on_errors(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="other", prompt="Āā")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Āā"}], max_tokens=0)
+
+
+def test_metrics_use_vllm_speculation_names(server):
+    server.client.completions.create(model=MODEL, prompt=text_prompt(3), max_tokens=30, temperature=0)
+    status, text = server.get("/metrics")
+    assert status == 200
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        assert values[f"draftwise:{name}_total"] > 0, name
+    assert values['draftwise:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    assert values["draftwise:e2e_request_latency_seconds_count"] >= 1
+    assert "draftwise:time_to_first_token_seconds_bucket" in text
+    assert values['draftwise:request_success_total{finished_reason="length"}'] >= 1
+
+
+def test_a_disconnected_stream_frees_its_slot(target):
+    engine = ServingEngine(target, ChatCharTokenizer(), "pld")
+    step = engine.decoder.step
+
+    def slow_step(sequences):
+        time.sleep(0.02)
+        return step(sequences)
+
+    engine.decoder.step = slow_step
+    running = RunningServer(engine)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "Āā", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                           "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", running.port)) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            received = b""
+            while b"data:" not in received:
+                received += connection.recv(4096)
+        deadline = time.monotonic() + 10
+        while engine.running or engine.waiting:
+            assert time.monotonic() < deadline, "the slot was not freed"
+            time.sleep(0.05)
+        assert "draftwise:request_cancelled_total 1.0" in running.get("/metrics")[1]
+        assert not engine._tickets and not engine._seen
+    finally:
+        running.stop()
+
+
+def test_a_full_queue_answers_503(target):
+    engine = ServingEngine(target, ChatCharTokenizer(), "ar", max_waiting=2)
+    # Not started: nothing leaves the queue.
+    for _ in range(2):
+        engine.submit([1, 2, 3], 4, lambda event: None)
+    with pytest.raises(ServerBusyError, match="capacity"):
+        engine.submit([1, 2, 3], 4, lambda event: None)
+
+    running = RunningServer(ServingEngine(target, ChatCharTokenizer(), "ar"))
+    try:
+        def busy(*args, **kwargs):
+            raise ServerBusyError("the server is at capacity (2 requests waiting); retry later")
+
+        running.engine.submit = busy
+        code, answer = running.post("/v1/completions", {"model": MODEL, "prompt": "Āā"})
+        assert code == 503 and "capacity" in answer["error"]["message"]
+    finally:
+        running.stop()
+
+
+def test_load_64_concurrent_streams(target):
+    """A bounded load test: 64 concurrent streaming clients, 192 requests over 12 prompts; no errors, every
+    request gets its own prompt's greedy text, and a second round grows the process's memory by little."""
+    running = RunningServer(ServingEngine(target, ChatCharTokenizer(), "pld", max_batch=16))
+    try:
+        prompts = [text_prompt(100 + seed, low=5, high=60) for seed in range(12)]
+        expected = [
+            draftwise.generate(target, ChatCharTokenizer(), [{"role": "user", "content": prompt}], method="pld",
+                               max_new_tokens=24).text
+            for prompt in prompts
+        ]
+        base = running.base + "/v1"
+        first = asyncio.run(run_load(base, MODEL, prompts, 192, concurrency=64, max_tokens=24, expected=expected))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        second = asyncio.run(run_load(base, MODEL, prompts, 192, concurrency=64, max_tokens=24, expected=expected))
+        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+        for report in (first, second):
+            assert not report.errors, report.errors[:3]
+            assert not report.mismatches
+            assert report.completion_tokens == 192 * 24
+            assert report.summary()["latency_p99_s"] >= report.summary()["latency_p50_s"] > 0
+        assert grown_kib < 64 * 1024, f"memory grew by {grown_kib} KiB in the second round"
+        assert not running.engine._tickets and not running.engine.running and not running.engine.waiting
+    finally:
+        running.stop()
+
+
+def test_engine_rejects_what_it_cannot_serve(target):
+    engine = ServingEngine(target, ChatCharTokenizer(), "pld")
+    with pytest.raises(draftwise.InvalidRequestError, match="context window"):
+        engine.submit(list(range(10)) * 30, 4, lambda event: None)
+    with pytest.raises(draftwise.InvalidRequestError, match="max_new_tokens"):
+        engine.submit([1, 2], 0, lambda event: None)
+    assert torch.is_grad_enabled()  # the worker's settings stay on its own thread

@@ -79,3 +79,15 @@ def test_estimates_in_line_with_the_prior_are_left_alone():
     latency.record(2, 0.080)  # dearer than the prior's shape, but within its tolerance
     latency.record(1, 0.060)
     assert latency.cost(2) == pytest.approx(0.080)
+
+
+def test_batch_sizes_are_learned_apart():
+    """A forward of many sequences costs more than one sequence's tree of as many rows: measurements of one batch
+    size never cap or stand in for another's once that one is measured."""
+    latency = LatencyModel({1: 1.0, 16: 1.2, 32: 1.5})
+    latency.record(17, 0.012)  # one sequence, a 16-node tree
+    latency.record(16, 0.080, sequences=16)  # sixteen sequences, one row each
+    assert latency.cost(16, sequences=16) == pytest.approx(0.080)
+    assert latency.cost(24, sequences=16) > 0.080  # not capped by the cheap one-sequence 17-row forward
+    assert latency.cost(16) < 0.012
+    assert latency.cost(12, sequences=12) == pytest.approx(latency.cost(12, sequences=16))  # nearest batch size measured

@@ -91,6 +91,11 @@ class LeanCache:
             ]
 
 
+def _row_bucket(rows: int) -> int:
+    """Sequences whose row counts share a bucket (1, 2, 3-4, 5-8, ...) run their attention in one set of products."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
     """Consecutive sequences grouped so that each group's rows stay within ``limit`` (a sequence bigger than
     ``limit`` alone in its group)."""
@@ -350,19 +355,40 @@ class LeanTarget(Target):
                 return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
                                        self.attention_min_rows)
         else:
-            # Several sequences: one set of padded products for all of them, each row bitwise its own result.
-            together = batch_layout(layouts, [len(block.tokens) for block in blocks], self.block, self.kv_heads)
-            buffers = None
-            if together.shared_blocks:
-                size = (len(caches), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
-                buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
-                           torch.zeros(size, dtype=self.dtype, device=self.device))
+            # Several sequences: one set of padded products per group of sequences with similar row counts (padding
+            # a one-row sequence to another's 17-row tree would cost more than the products it saves), each row
+            # bitwise its own result.
+            sizes = [len(block.tokens) for block in blocks]
+            starts = [sum(sizes[:index]) for index in range(len(sizes))]
+            groups = []
+            for bucket in sorted({_row_bucket(size) for size in sizes}):
+                members = [index for index, size in enumerate(sizes) if _row_bucket(size) == bucket]
+                together = batch_layout([layouts[index] for index in members], [sizes[index] for index in members],
+                                        self.block, self.kv_heads)
+                buffers = None
+                if together.shared_blocks:
+                    size = (len(members), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
+                    buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
+                               torch.zeros(size, dtype=self.dtype, device=self.device))
+                rows = torch.tensor([starts[index] + row for index in members for row in range(sizes[index])],
+                                    device=self.device)
+                groups.append((members, together, buffers, rows))
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                return batch_block_attention(
-                    queries.view(-1, *shape), [cache.keys[index] for cache in caches],
-                    [cache.values[index] for cache in caches], together, buffers, self.attention_min_rows,
-                )
+                queries = queries.view(-1, *shape)
+                if len(groups) == 1:
+                    members, together, buffers, _ = groups[0]
+                    return batch_block_attention(queries, [caches[member].keys[index] for member in members],
+                                                 [caches[member].values[index] for member in members], together,
+                                                 buffers, self.attention_min_rows)
+                output = queries.new_empty(queries.shape[0], self.heads * self.head_dim)
+                for members, together, buffers, rows in groups:
+                    output.index_copy_(0, rows, batch_block_attention(
+                        queries.index_select(0, rows), [caches[member].keys[index] for member in members],
+                        [caches[member].values[index] for member in members], together, buffers,
+                        self.attention_min_rows,
+                    ))
+                return output
 
         states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend)
         if last_only:

@@ -137,10 +137,11 @@ def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftT
             for node, score in enumerate(tree.scores)
         )
     )
-    best_count, best_rate = 0, expected / latency.cost(rows)
+    sequences = len(trees)
+    best_count, best_rate = 0, expected / latency.cost(rows, sequences)
     for count, (negative_score, *_rest) in enumerate(ranked, 1):
         expected -= negative_score
-        rate = expected / latency.cost(rows + count)
+        rate = expected / latency.cost(rows + count, sequences)
         if rate > best_rate:
             best_count, best_rate = count, rate
     kept = [0] * len(trees)
@@ -215,6 +216,33 @@ class Decoder:
         # A target whose verification rows are not bitwise plain decoding's here verifies no drafts.
         self.budget = budget if self.target.exact_trees else 0
         self.latency = latency if latency is not None else LatencyModel(prior=self.target.cost_prior)
+        # By batch size: steps left without drafting, and the current pause length (see _judge_drafting).
+        self._pauses: dict[int, list[int]] = {}
+
+    #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
+    MAX_DRAFT_PAUSE = 64
+
+    def _judge_drafting(self, trees: Sequence[DraftTree], draft_seconds: float) -> None:
+        """Pause drafting at this batch size when this step's drafts were not worth their drafting time.
+
+        The kept nodes' expected gain, ``(sequences + sum of kept scores) / (forward time + drafting time)``, is set
+        against plain steps (``sequences / forward time``). When drafting loses, drafters are not asked for the
+        next few steps at this batch size (1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`), then tried again; at large
+        batch, where the forward is dear and every sequence's drafting adds up, speculation then stops by itself.
+        """
+        if any(tree.scores is None for tree in trees):
+            return
+        sequences = len(trees)
+        kept = sum(len(tree) for tree in trees)
+        expected = sequences + sum(sum(tree.scores) for tree in trees)
+        with_drafts = expected / (self.latency.cost(sequences + kept, sequences) + draft_seconds)
+        without = sequences / self.latency.cost(sequences, sequences)
+        pause = self._pauses.setdefault(sequences, [0, 0])
+        if with_drafts > without:
+            pause[1] = 0
+        else:
+            pause[1] = min(max(1, 2 * pause[1]), self.MAX_DRAFT_PAUSE)
+            pause[0] = pause[1]
 
     def start(
         self,
@@ -271,18 +299,27 @@ class Decoder:
         limit = self.target.context_length
         trees: list[DraftTree] = []
         contexts: list[tuple[int, ...]] = []
+        pause = self._pauses.setdefault(len(active), [0, 0])
+        drafting = pause[0] == 0
+        pause[0] = max(0, pause[0] - 1)
+        draft_seconds = 0.0
         for sequence in active:
             started = time.perf_counter()
             # A draft never needs to reach past the last token we may emit or past the context window.
             max_depth = min(
                 sequence.max_new_tokens - len(sequence.output) - 1, limit - len(sequence.context) - 1
-            )
+            ) if drafting else 0
             # Drafters may keep what they are given: a snapshot, since the sequence's own list keeps growing.
             context = tuple(sequence.context)
             trees.append(draft(sequence.drafter, context, self.budget, max_depth))
             contexts.append(context)
-            sequence.stats.draft_time_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            sequence.stats.draft_time_s += elapsed
+            draft_seconds += elapsed
+        offered = sum(len(tree) for tree in trees)
         trees = size_trees(trees, self.latency)
+        if offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
+            self._judge_drafting(trees, draft_seconds)
         want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
         forward_started = time.perf_counter()
         output = self.target.forward(
@@ -294,7 +331,7 @@ class Decoder:
             verify(logits, tree, context, sequence.sampling, sequence.draws)
             for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
         ]
-        self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started)
+        self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started, len(trees))
         events_by_sequence: dict[int, StepEvent] = {}
         for index, (sequence, tree, context, (verification, logits)) in enumerate(
             zip(active, trees, contexts, verifications)

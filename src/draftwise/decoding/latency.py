@@ -32,18 +32,23 @@ class LatencyModel:
         self.prior = dict(sorted((prior or GENERIC_PRIOR).items()))
         self.smoothing = smoothing
         self.stale_factor = stale_factor
-        self._seconds: dict[int, float] = {}
+        # Measured seconds by sequences in the forward, then rows: a forward of 16 sequences with one row each
+        # costs far more than one sequence's 16-row tree (each sequence reads its own cache), so the two are
+        # learned apart.
+        self._seconds: dict[int, dict[int, float]] = {}
 
-    def record(self, rows: int, seconds: float) -> None:
-        """Fold in one measured forward. Other row counts whose estimates now look inflated next to it (more than
-        ``stale_factor`` times what the prior's shape predicts from this measurement) are pulled towards that
-        prediction: a forward slowed by a passing load must not stop a row count from ever being tried again."""
-        previous = self._seconds.get(rows)
-        self._seconds[rows] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
-        for measured, estimate in self._seconds.items():
-            expected = seconds * self._prior(measured) / self._prior(rows)
+    def record(self, rows: int, seconds: float, sequences: int = 1) -> None:
+        """Fold in one measured forward of ``rows`` rows over ``sequences`` sequences. Other row counts of the same
+        batch size whose estimates now look inflated next to it (more than ``stale_factor`` times what the prior's
+        shape predicts from this measurement) are pulled towards that prediction: a forward slowed by a passing
+        load must not stop a row count from ever being tried again."""
+        measured = self._seconds.setdefault(sequences, {})
+        previous = measured.get(rows)
+        measured[rows] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        for other, estimate in measured.items():
+            expected = seconds * self._prior(other) / self._prior(rows)
             if estimate > self.stale_factor * expected:
-                self._seconds[measured] = estimate + self.smoothing * (expected - estimate)
+                measured[other] = estimate + self.smoothing * (expected - estimate)
 
     def _prior(self, rows: int) -> float:
         keys = list(self.prior)
@@ -59,20 +64,28 @@ class LatencyModel:
         fraction = (rows - low) / (high - low)
         return self.prior[low] + fraction * (self.prior[high] - self.prior[low])
 
-    def cost(self, rows: int) -> float:
-        """Estimated seconds (or relative units before any measurement) of a forward of ``rows`` rows.
+    def cost(self, rows: int, sequences: int = 1) -> float:
+        """Estimated seconds (or relative units before any measurement) of a forward of ``rows`` rows over
+        ``sequences`` sequences.
 
-        Never more than a measured larger forward: noise must not make a row count look dearer than a bigger one.
+        Never more than a measured larger forward of as many sequences: noise must not make a row count look
+        dearer than a bigger one.
         """
-        estimate = self._estimate(rows)
-        larger = [seconds for measured, seconds in self._seconds.items() if measured > rows]
+        estimate = self._estimate(rows, sequences)
+        larger = [seconds for measured, seconds in self._seconds.get(sequences, {}).items() if measured > rows]
         return min([estimate, *larger])
 
-    def _estimate(self, rows: int) -> float:
-        if rows in self._seconds:
-            return self._seconds[rows]
-        if not self._seconds:
-            return self._prior(rows)
+    def _estimate(self, rows: int, sequences: int) -> float:
+        measured = self._seconds.get(sequences)
+        if not measured:
+            # Nothing measured at this batch size yet (its first forward will be): the nearest batch size
+            # measured, else the prior.
+            if not self._seconds:
+                return self._prior(rows)
+            nearest = min(self._seconds, key=lambda count: (abs(count - sequences), count))
+            return self._estimate(rows, nearest)
+        if rows in measured:
+            return measured[rows]
         # Scale the prior by the measured row count nearest to ``rows``.
-        nearest = min(self._seconds, key=lambda measured: (abs(measured - rows), measured))
-        return self._seconds[nearest] * self._prior(rows) / self._prior(nearest)
+        nearest = min(measured, key=lambda count: (abs(count - rows), count))
+        return measured[nearest] * self._prior(rows) / self._prior(nearest)

@@ -317,3 +317,15 @@ def test_engine_rejects_what_it_cannot_serve(target):
     with pytest.raises(draftwise.InvalidRequestError, match="max_new_tokens"):
         engine.submit([1, 2], 0, lambda event: None)
     assert torch.is_grad_enabled()  # the worker's settings stay on its own thread
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["serve", "--method", "nope"], "nope"),
+    (["serve", "--max-batch", "0"], "--max-batch"),
+    (["loadtest", "--requests", "0"], "--requests"),
+])
+def test_serve_and_loadtest_commands_refuse_bad_options(capsys, arguments, message):
+    from draftwise import cli
+
+    assert cli.main(arguments) == 2
+    assert message in capsys.readouterr().err

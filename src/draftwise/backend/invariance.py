@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .machine import MeasurementStore, machine_key
 from .lean import MAX_FORWARD_ROWS
+from .machine import MeasurementStore, machine_key
 from .rows import RowBlock
 
 #: Row counts a kernel may be padded to, smallest first.

@@ -21,28 +21,26 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "draftwise"
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in Linux ``/proc/cpuinfo`` (``None`` where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                if line.startswith(field):
+                    return line.partition(":")[2].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 def cpu_model() -> str:
     """The CPU's model name."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:

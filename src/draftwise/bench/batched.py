@@ -10,7 +10,6 @@ size 1 is always run as the reference).
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from ..decoding.drafter import Drafter
 from ..decoding.latency import LatencyModel
 from ..decoding.sampling import SamplingParams
 from ..errors import InvalidRequestError
+from .metrics import percentile
 
 #: Tokens of the warm-up batch at each batch size.
 WARMUP_TOKENS = 16
@@ -76,24 +76,16 @@ class BatchRecord:
             "wall_s": round(self.wall_s, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 3),
-            "latency_p50_s": round(_percentile(self.latency_s, 50), 3),
-            "latency_p90_s": round(_percentile(self.latency_s, 90), 3),
-            "queued_latency_p50_s": round(_percentile(self.queued_latency_s, 50), 3),
-            "queued_latency_p90_s": round(_percentile(self.queued_latency_s, 90), 3),
+            "latency_p50_s": round(percentile(self.latency_s, 50), 3),
+            "latency_p90_s": round(percentile(self.latency_s, 90), 3),
+            "queued_latency_p50_s": round(percentile(self.queued_latency_s, 50), 3),
+            "queued_latency_p90_s": round(percentile(self.queued_latency_s, 90), 3),
             "exact_vs_batch_1": f"{self.exact}/{self.prompts}",
             "exact_vs_ar": None if self.exact_vs_ar is None else f"{self.exact_vs_ar}/{self.prompts}",
         }
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _percentile(values: Sequence[float], percent: float) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return float(values[0])
-    return float(statistics.quantiles(values, n=100, method="inclusive")[int(percent) - 1])
 
 
 def parse_batch_sizes(text: str) -> list[int]:

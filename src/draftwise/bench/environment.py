@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..backend.machine import cpu_model
+
 
 class PeakMemoryMeter:
     """Peak memory of one run, measured as honestly as the device allows.
@@ -75,17 +77,6 @@ class PeakMemoryMeter:
                         return int(line.split()[1]) * 1024
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _sha256_of_files(paths: Sequence[Path]) -> str:
@@ -165,7 +156,7 @@ def environment(
         "backend": getattr(model, "backend", "transformers"),
         "row_plan": _row_plan(model),
         "threads": torch.get_num_threads(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
         "platform": platform.platform(),

@@ -24,6 +24,15 @@ from .results import OVERALL, Record
 BASELINES = ("ar", "hf")
 
 
+def percentile(values: Sequence[float], percent: float) -> float:
+    """The ``percent``-th percentile of ``values`` (linear interpolation; 0 when empty)."""
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=100, method="inclusive")[round(percent) - 1])
+
+
 def first_divergence(reference: Sequence[int], ids: Sequence[int]) -> int | None:
     """Index of the first token where ``ids`` differs from ``reference`` (the shorter length when one is a prefix
     of the other); ``None`` when they are equal."""

@@ -66,6 +66,11 @@ class GenerationStats:
         return histogram
 
     @property
+    def drafts(self) -> int:
+        """Steps that verified a draft (steps with a draft token on offer at depth 1)."""
+        return self.attempts_per_position[0] if self.attempts_per_position else 0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
 

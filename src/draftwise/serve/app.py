@@ -53,7 +53,7 @@ class APIError(Exception):
 
 def speculation_stats(stats: GenerationStats, method: str) -> dict[str, Any]:
     """The extension field ``draftwise`` of a response: the request's speculation statistics."""
-    drafts = stats.attempts_per_position[0] if stats.attempts_per_position else 0
+    drafts = stats.drafts
     return {
         "method": method,
         "steps": stats.steps,

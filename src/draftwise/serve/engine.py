@@ -263,7 +263,7 @@ class ServingEngine:
         stats = state.stats
         before = self._seen.get(id(state), (0, 0, 0, []))
         now = (
-            stats.attempts_per_position[0] if stats.attempts_per_position else 0,
+            stats.drafts,
             stats.drafted_tokens,
             stats.accepted_tokens,
             list(stats.accepts_per_position),

@@ -9,11 +9,12 @@ request that saw another's text shows up there.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..bench.metrics import percentile
 
 
 @dataclass
@@ -48,15 +49,6 @@ class LoadReport:
             "first_token_p50_s": round(percentile(self.first_token_s, 50), 3),
             "first_token_p99_s": round(percentile(self.first_token_s, 99), 3),
         }
-
-
-def percentile(values: Sequence[float], percent: float) -> float:
-    """The ``percent``-th percentile of ``values`` (linear interpolation; 0 when empty)."""
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return float(values[0])
-    return float(statistics.quantiles(values, n=100, method="inclusive")[round(percent) - 1])
 
 
 async def run_load(

@@ -42,3 +42,30 @@ def random_distribution(generator: torch.Generator, size: int, zeros: int = 0) -
     if zeros:
         weights[torch.randperm(size, generator=generator)[:zeros]] = 0
     return weights / weights.sum()
+
+
+def exact_marginals(model, prompt: list[int], params, count: int = 3) -> list[torch.Tensor]:
+    """Exact distributions of each of the first ``count`` generated tokens under plain sampling with ``params``
+    (every continuation enumerated: vocab ** (count - 1) contexts, for small vocabularies)."""
+    from draftwise.decoding.sampling import transform_logits
+
+    device = model.device
+
+    def next_distribution(context: list[int]) -> torch.Tensor:
+        logits = model(torch.tensor([context], device=device)).logits[0, -1:]
+        return torch.softmax(transform_logits(logits, params, context)[0].double(), -1).cpu()
+
+    marginals = []
+    frontier = [(list(prompt), 1.0)]  # (context, probability of its generated part)
+    with torch.inference_mode():
+        for _ in range(count):
+            total = None
+            following = []
+            for context, weight in frontier:
+                distribution = next_distribution(context)
+                total = weight * distribution if total is None else total + weight * distribution
+                following += [([*context, token], weight * float(distribution[token]))
+                              for token in range(distribution.numel()) if distribution[token] > 0]
+            marginals.append(total)
+            frontier = following
+    return marginals

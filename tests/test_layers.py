@@ -14,9 +14,10 @@ PACKAGE = Path(draftwise.__file__).parent
 LAYERS: list[set[str]] = [
     {"errors"},
     {"backend"},
+    {"models"},  # loading checkpoints: model drafters load their draft model with it
     {"decoding"},
     {"drafters"},
-    {"api", "models"},
+    {"api"},
     {"bench", "doctor"},
     {"corpus", "serve"},
     {"cli"},

@@ -266,3 +266,33 @@ class RandomTreeDrafter(ReferenceDrafter):
 
         size = self.rng.randint(0, budget)
         return random_tree(self.rng, size, self.vocab, suggest)
+
+
+def noisy_copy(model, noise: float = 0.02, seed: int = 99):
+    """A copy of ``model`` with small random changes to its weights: a draft model that is often, not always, right."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            change = torch.randn(parameter.shape, generator=generator) * noise * parameter.float().std().clamp(min=1e-3)
+            parameter.add_(change.to(parameter.dtype).to(parameter.device))
+    return twin
+
+
+def drafter_for(method: str, model) -> Drafter:
+    """A drafter of ``method`` for a tiny ``model`` (a transformers model or a target): the draft-model method gets a
+    noisy copy of the model as its draft."""
+    import draftwise
+    from draftwise.backend.target import Target
+    from draftwise.drafters.draft_model import DraftModelDrafter
+
+    if method == "draft":
+        base = model.model if isinstance(model, Target) else model
+        return DraftModelDrafter(model=noisy_copy(base), width=2, depth=5)
+    if method == "layerskip" and getattr(model, "backend", None) != "lean":
+        import pytest
+
+        pytest.skip("layerskip drafts with the lean forward")
+    return draftwise.make_drafter(method)

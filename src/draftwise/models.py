@@ -370,4 +370,5 @@ def load_model(
     except Exception:
         tokenizer = None
     target = make_target(model, backend, fast_linear, calibrate, cache_dir)
+    target.tokenizer = tokenizer
     return target, tokenizer

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from tiny import make_tiny_model, repetitive_prompt
+from tiny import drafter_for, make_tiny_model, repetitive_prompt
 
 import draftwise
 from draftwise.backend import invariance
@@ -215,7 +215,7 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
 def test_every_method_matches_ar_on_the_lean_forward(method, dtype, tmp_path):
     model = model_in("qwen2", dtype)
     target = planned(model, tmp_path)
-    drafter = draftwise.make_drafter(method)
+    drafter = drafter_for(method, target)
     rng = random.Random(7)
     for _ in range(3):
         prompt = repetitive_prompt(rng, low=20, high=60)

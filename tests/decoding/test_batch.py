@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from tiny import ChatCharTokenizer, make_tiny_model, repetitive_prompt
+from tiny import ChatCharTokenizer, drafter_for, make_tiny_model, repetitive_prompt
 
 import draftwise
 from draftwise.backend.invariance import plan_rows
@@ -47,12 +47,13 @@ def with_eos(target, eos):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_sequence_gets_its_batch_1_ids(target, method):
     batch = prompts(7, seed=METHODS.index(method))
+    drafter = drafter_for(method, target)
     alone = [
-        draftwise.generate(target, None, prompt_ids=prompt, method=method, max_new_tokens=30).token_ids
+        draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=30).token_ids
         for prompt in batch
     ]
     for max_batch in (1, 3, 16):
-        results = draftwise.generate(target, None, prompt_ids=batch, method=method, max_new_tokens=30, max_batch=max_batch)
+        results = draftwise.generate(target, None, prompt_ids=batch, method=drafter, max_new_tokens=30, max_batch=max_batch)
         assert [result.token_ids for result in results] == alone, max_batch
 
 

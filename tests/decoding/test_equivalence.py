@@ -19,6 +19,7 @@ from tiny import (
     OracleTreeDrafter,
     RandomTreeDrafter,
     WrongDrafter,
+    drafter_for,
     random_tree,
     repetitive_prompt,
 )
@@ -641,7 +642,7 @@ DRAFTER_METHODS = sorted(set(draftwise.METHODS) - {"ar"})
 def test_every_method_matches_ar(models, kind, method):
     """One drafter instance over all prompts, so state learned across requests is exercised too."""
     model = models[kind]
-    drafter = draftwise.make_drafter(method)
+    drafter = drafter_for(method, model)
     steps = tokens = 0
     for prompt, max_new_tokens in CASES[kind]:
         result = draftwise.generate(model, None, prompt_ids=prompt, method=drafter, max_new_tokens=max_new_tokens)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .lean import MAX_FORWARD_ROWS
+from .lean import BLOCK, MAX_FORWARD_ROWS
 from .machine import MeasurementStore, machine_key
 from .rows import RowBlock
 
@@ -36,7 +36,10 @@ SAMPLE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 31, 32
 #: Paddings tried after the measured one, in order, while whole forwards are not exact (each raised to at least
 #: the measured one).
 ESCALATION = ((2, 1), (4, 1), (2, 12), (4, 16), (16, 32))
-PLAN_VERSION = 3
+PLAN_VERSION = 4
+#: Rows every linear product runs at on GPUs (see :class:`~draftwise.backend.linear.Linear`'s ``fixed_rows``): a
+#: product of 64 rows costs about what one row does there, and a fixed shape keeps one kernel for every row.
+GPU_FIXED_ROWS = 64
 
 
 def min_invariant_rows(run: Callable[[int], torch.Tensor], max_rows: int, candidates: Sequence[int] = CANDIDATE_MIN_ROWS) -> int | None:
@@ -210,6 +213,7 @@ class RowPlan:
 
     Attributes:
         linear_min_rows, attention_min_rows: the paddings.
+        linear_fixed: linear products run at exactly ``linear_min_rows`` rows (GPUs).
         exact: whether the end-to-end check passed with them (if not, the target verifies no drafts).
         report: the check's findings.
     """
@@ -218,6 +222,7 @@ class RowPlan:
     attention_min_rows: int
     exact: bool
     report: InvarianceReport | None = None
+    linear_fixed: bool = False
 
 
 def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 12) -> RowPlan:
@@ -231,21 +236,33 @@ def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 
     key = machine_key(target.device, target.dtype, model_shape(target))
     saved = store.load(key).get("row_plan")
     if saved and saved.get("version") == PLAN_VERSION:
-        plan = RowPlan(saved["linear_min_rows"], saved["attention_min_rows"], saved["exact"])
+        plan = RowPlan(saved["linear_min_rows"], saved["attention_min_rows"], saved["exact"],
+                       linear_fixed=saved.get("linear_fixed", False))
         _apply(target, plan)
         return plan
-    linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
     attention = probe_attention_rows(target) or CANDIDATE_MIN_ROWS[-1]
-    plan = RowPlan(linear, attention, False)
+    if target.device.type == "cpu":
+        fixed = False
+        linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
+        checks = {"trials": trials}
+    else:
+        # GPU libraries pick a kernel by the row count at every size (a batch of four trees changed rows in the
+        # last bits where each tree alone did not): every product runs at one fixed row count, and the check is
+        # made longer since it is cheap there.
+        fixed, linear = True, GPU_FIXED_ROWS
+        checks = {"trials": 3 * trials, "steps": 2 * BLOCK + 10, "prompt_length": BLOCK - 7}
     ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]
+    if fixed:
+        ladder = [(linear, max(attention, rows)) for rows in (attention, 16, 32, 64)]
+    plan = RowPlan(linear, attention, False, linear_fixed=fixed)
     for linear_rows, attention_rows in dict.fromkeys(ladder):
-        plan = RowPlan(linear_rows, attention_rows, False)
-        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
-        plan.report = check_trees(target, trials=trials)
+        plan = RowPlan(linear_rows, attention_rows, False, linear_fixed=fixed)
+        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows, fixed)
+        plan.report = check_trees(target, **checks)
         plan.exact = plan.report.exact
         if plan.exact:
             break
-    if plan.exact:
+    if plan.exact and not fixed:
         plan = _fastest_padding(target, plan, trials)
     _apply(target, plan)
     record = store.load(key)
@@ -253,6 +270,7 @@ def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 
         "version": PLAN_VERSION,
         "linear_min_rows": plan.linear_min_rows,
         "attention_min_rows": plan.attention_min_rows,
+        "linear_fixed": plan.linear_fixed,
         "exact": plan.exact,
     }
     store.save(key, record)
@@ -301,7 +319,7 @@ def _fastest_padding(target: Any, plan: RowPlan, trials: int) -> RowPlan:
 
 
 def _apply(target: Any, plan: RowPlan) -> None:
-    target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
+    target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows, plan.linear_fixed)
     target.exact_trees = plan.exact
     if not plan.exact:
         warnings.warn(

@@ -39,6 +39,17 @@ FAMILIES = ("llama", "qwen2")
 BLOCK = 64
 
 
+@dataclass(frozen=True)
+class LayerSkip:
+    """Sub-layers a layer-skipping draft leaves out: layer indices whose attention, and whose MLP, is skipped."""
+
+    attention: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    def __len__(self) -> int:
+        return len(self.attention) + len(self.mlp)
+
+
 @dataclass
 class LeanLayer:
     """One decoder layer's weights."""
@@ -217,12 +228,13 @@ class LeanTarget(Target):
     def linear_min_rows(self) -> int:
         return self.head.min_rows
 
-    def set_row_plan(self, linear_min_rows: int, attention_min_rows: int) -> None:
-        """Pad products to these row counts (see :mod:`draftwise.backend.invariance`)."""
-        for layer in self.layers:
-            for linear in (layer.qkv, layer.output, layer.gate_up, layer.down):
-                linear.min_rows = linear_min_rows
-        self.head.min_rows = linear_min_rows
+    def set_row_plan(self, linear_min_rows: int, attention_min_rows: int, linear_fixed: bool = False) -> None:
+        """Pad products to these row counts; with ``linear_fixed``, run every linear product at exactly
+        ``linear_min_rows`` rows (see :mod:`draftwise.backend.invariance`)."""
+        for linear in (*(linear for layer in self.layers for linear in (layer.qkv, layer.output, layer.gate_up,
+                                                                           layer.down)), self.head):
+            linear.min_rows = linear_min_rows
+            linear.fixed_rows = linear_fixed
         self.attention_min_rows = attention_min_rows
 
     # ----------------------------------------------------------------------------------------------- cache
@@ -234,6 +246,11 @@ class LeanTarget(Target):
 
     def cache_length(self, cache: LeanCache) -> int:
         return cache.length
+
+    def truncate(self, cache: LeanCache, length: int) -> None:
+        if not 0 <= length <= cache.length:
+            raise ValueError(f"cannot truncate to {length}: {cache.length} positions are committed")
+        cache.length = length
 
     def commit(self, cache: LeanCache, rows: Sequence[int]) -> None:
         rows = list(rows)
@@ -254,17 +271,17 @@ class LeanTarget(Target):
         return states * cos + torch.roll(states, self.head_dim // 2, -1) * signed_sin
 
     def _run(
-        self, caches: Sequence[LeanCache], tokens: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], attend
+        self, caches: Sequence[LeanCache], tokens: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], attend,
+        skip: LayerSkip | None = None,
     ) -> list[torch.Tensor]:
         """The decoder layers over each sequence's new rows (``tokens[i]`` at its cache length plus ``depths[i]``),
         all sequences' rows in the same products, each sequence's attention on its own cache; the rows' keys and
         values are written into the caches after their lengths first. ``attend(layer, queries, keys, values)``
         does every sequence's attention (given all new rows' queries, keys and values, one sequence after the
-        other) and returns its rows' outputs in the same order. Returns each sequence's final normed hidden
-        states."""
+        other) and returns its rows' outputs in the same order. ``skip`` names sub-layers left out (a layer-skipping
+        draft: a skipped attention writes no keys or values). Returns each sequence's final normed hidden states."""
         sizes = [len(row_tokens) for row_tokens in tokens]
         device = self.device
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         flat_tokens = torch.tensor([token for row_tokens in tokens for token in row_tokens], device=device)
         positions = torch.tensor(
             [cache.length + depth for cache, row_depths in zip(caches, depths) for depth in row_depths], device=device
@@ -275,28 +292,37 @@ class LeanTarget(Target):
             where = torch.arange(cache.length, cache.length + size, device=device)
             slots.append((where // self.block, where % self.block))
         bounds = [sum(sizes[:index]) for index in range(len(sizes) + 1)]
-        rows = bounds[-1]
         cos = self.cos[positions][:, None]
         sin = self.signed_sin[positions][:, None]
         hidden = self.embedding[flat_tokens]
+        skip_attention = skip.attention if skip is not None else frozenset()
+        skip_mlp = skip.mlp if skip is not None else frozenset()
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
-            query_key = self._rotate(
-                qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin
-            )
-            queries = query_key[:, :heads] * self.scale
-            keys = query_key[:, heads:]
-            values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-            for sequence, (cache, (slot_blocks, slot_offsets)) in enumerate(zip(caches, slots)):
-                part = slice(bounds[sequence], bounds[sequence + 1])
-                cache.keys[index, slot_blocks, :, slot_offsets] = keys[part]
-                cache.values[index, slot_blocks, :, slot_offsets] = values[part]
-            hidden = hidden + layer.output(attend(index, queries, keys, values))
-            gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
-            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-            hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
+            if index not in skip_attention:
+                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend)
+            if index not in skip_mlp:
+                gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
+                gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+                hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
         states = self._rms_norm(hidden, self.norm)
         return [states[bounds[sequence] : bounds[sequence + 1]] for sequence in range(len(sizes))]
+
+    def _attention_block(self, index, layer, hidden, caches, slots, bounds, cos, sin, attend) -> torch.Tensor:
+        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches."""
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        rows = hidden.shape[0]
+        qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
+        query_key = self._rotate(
+            qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin
+        )
+        queries = query_key[:, :heads] * self.scale
+        keys = query_key[:, heads:]
+        values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+        for sequence, (cache, (slot_blocks, slot_offsets)) in enumerate(zip(caches, slots)):
+            part = slice(bounds[sequence], bounds[sequence + 1])
+            cache.keys[index, slot_blocks, :, slot_offsets] = keys[part]
+            cache.values[index, slot_blocks, :, slot_offsets] = values[part]
+        return hidden + layer.output(attend(index, queries, keys, values))
 
     def _outputs(self, states: Sequence[torch.Tensor], hidden_states: bool) -> ForwardOutput:
         """Logits of every sequence's rows from one product over all of them."""
@@ -333,12 +359,15 @@ class LeanTarget(Target):
         *,
         last_only: bool = False,
         hidden_states: bool = False,
+        skip: LayerSkip | None = None,
     ) -> ForwardOutput:
+        """See :meth:`Target.forward`; ``skip`` runs the model with those sub-layers left out (a draft of itself:
+        its rows are never committed, see :mod:`draftwise.drafters.layer_skip`)."""
         groups = row_groups([len(block.tokens) for block in blocks], MAX_FORWARD_ROWS)
         if len(groups) > 1:
             outputs = [
                 self.forward([caches[index] for index in group], [blocks[index] for index in group],
-                             last_only=last_only, hidden_states=hidden_states)
+                             last_only=last_only, hidden_states=hidden_states, skip=skip)
                 for group in groups
             ]
             return ForwardOutput(
@@ -390,7 +419,8 @@ class LeanTarget(Target):
                     ))
                 return output
 
-        states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend)
+        states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend,
+                           skip)
         if last_only:
             states = [part[-1:] for part in states]
         return self._outputs(states, hidden_states)

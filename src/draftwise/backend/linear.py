@@ -37,21 +37,36 @@ class Linear:
         bias: ``(out_features,)`` or ``None``.
         packed: pack the weight for oneDNN (see :func:`packing_available`).
         min_rows: the row count from which the kernel is row-count invariant on this machine.
+        fixed_rows: when set, every product runs at exactly ``min_rows`` rows (inputs padded to a multiple of it and
+            computed ``min_rows`` rows at a time): for GPU libraries, whose kernel choice for a shape depends on the
+            row count at every size, this is the one way a row's bits cannot depend on its neighbours.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, min_rows: int = 1) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, min_rows: int = 1, fixed_rows: bool = False
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed = packed
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
         self.min_rows = min_rows
+        self.fixed_rows = fixed_rows
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         rows = inputs.shape[0]
+        if self.fixed_rows and rows > self.min_rows:
+            chunk = self.min_rows
+            padded = -(-rows // chunk) * chunk
+            if padded > rows:
+                inputs = torch.cat([inputs, inputs.new_zeros(padded - rows, self.in_features)])
+            output = torch.cat([self._product(part) for part in inputs.split(chunk)])
+            return output[:rows]
         if rows < self.min_rows:
             inputs = torch.cat([inputs, inputs.new_zeros(self.min_rows - rows, self.in_features)])
-        if self.packed:
-            output = torch.ops.mkldnn._linear_pointwise(inputs, self.weight, self.bias, "none", [], "")
-        else:
-            output = F.linear(inputs, self.weight, self.bias)
+        output = self._product(inputs)
         return output[:rows] if rows < self.min_rows else output
+
+    def _product(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(inputs, self.weight, self.bias, "none", [], "")
+        return F.linear(inputs, self.weight, self.bias)

@@ -49,6 +49,9 @@ class Target(ABC):
 
     model: Any
     backend: str = ""
+    #: The model's tokenizer when it was loaded with one (:func:`draftwise.load_model`): draft models are checked
+    #: against its vocabulary.
+    tokenizer: Any = None
     #: Whether verification rows are bitwise plain decoding's on this machine (see
     #: :mod:`draftwise.backend.invariance`); when not, the engine verifies no drafts with this target.
     exact_trees: bool = True
@@ -105,6 +108,10 @@ class Target(ABC):
     @abstractmethod
     def commit(self, cache: Any, rows: Sequence[int]) -> None:
         """Keep the rows ``rows`` (ascending, indices into the last forward's block) of ``cache``; drop the rest."""
+
+    @abstractmethod
+    def truncate(self, cache: Any, length: int) -> None:
+        """Roll ``cache`` back to its first ``length`` committed positions."""
 
 
 class TransformersTarget(Target):
@@ -181,6 +188,9 @@ class TransformersTarget(Target):
 
     def commit(self, cache: TreeKVCache, rows: Sequence[int]) -> None:
         cache.keep(0, rows)
+
+    def truncate(self, cache: TreeKVCache, length: int) -> None:
+        cache.truncate(0, length)
 
 
 def as_target(model: Any) -> Target:

@@ -1,10 +1,12 @@
 """The drafter contract: propose a draft tree for the current context, observe how its verification went.
 
-The engine calls :meth:`Drafter.reset` when a sequence starts, :meth:`Drafter.propose` before every verification
+The engine calls :meth:`Drafter.attach` and then :meth:`Drafter.reset` when a sequence starts, :meth:`Drafter.propose` before every verification
 step and :meth:`Drafter.observe` after it. A proposal is a :class:`~draftwise.decoding.tree.DraftTree`: token nodes
 below the last emitted token, optionally scored (so the engine can size the draft against its cost) and optionally
 carrying the draft distributions the nodes were sampled from (model drafters: sampling then verifies by rejection
 sampling, exactly). A drafter that learns from the target's hidden states sets :attr:`Drafter.wants_hidden_states`.
+Model drafters (a separate draft model, the target with layers skipped) read what they need in :meth:`attach`: the
+target, the sequence's KV cache, its sampling options and the engine's forward-cost model.
 """
 
 from __future__ import annotations
@@ -13,11 +15,36 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .sampling import SamplingParams
 from .tree import DraftTree
 from .verify import Verification
+
+if TYPE_CHECKING:
+    from ..backend.target import Target
+    from .latency import LatencyModel
+
+
+@dataclass(frozen=True)
+class SequenceSetup:
+    """What the engine tells a drafter about the sequence it starts (see :meth:`Drafter.attach`).
+
+    Attributes:
+        target: the model that verifies the drafts.
+        cache: the target's KV cache of this sequence, holding the committed context but the last token. A drafter
+            may run the target on it *after* the committed length (those slots are scratch: every verification
+            forward writes its own rows there) and must leave the committed length as it found it.
+        sampling: the sequence's sampling options (drafts sampled from a draft distribution use its temperature).
+        latency: the engine's forward-time model, to weigh a draft's own cost against what it saves.
+    """
+
+    target: Target
+    cache: Any
+    sampling: SamplingParams
+    latency: LatencyModel
 
 
 @dataclass(frozen=True)
@@ -70,6 +97,11 @@ class Drafter(ABC):
     name: str = ""
     #: Ask the engine for the target's hidden states in :meth:`observe` (they cost a copy per step).
     wants_hidden_states: bool = False
+
+    def attach(self, setup: SequenceSetup) -> None:
+        """Called for every sequence before :meth:`reset`, with the target and the sequence's cache. The default
+        ignores it; model drafters load or bind their model here (errors such as a draft model with another
+        vocabulary are raised from here, before any token is drafted)."""
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Start a new sequence whose context begins with ``prompt``. Learned state that should outlive a

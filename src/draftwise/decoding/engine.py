@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..backend.target import Target, as_target
-from .drafter import Drafter, StepOutcome
+from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
 from .sampling import Draws, SamplingParams, transform_logits
 from .stats import GenerationStats
@@ -287,6 +287,7 @@ class Decoder:
             now = time.perf_counter()
             sequence.stats.time_to_first_token_s = now - sequence.started
             sequence.stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
+            sequence.drafter.attach(SequenceSetup(self.target, sequence.cache, sequence.sampling, self.latency))
             sequence.drafter.reset(sequence.prompt_ids)
             sequence.stats.time_s = time.perf_counter() - sequence.started
             events.append(event)

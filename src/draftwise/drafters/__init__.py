@@ -12,12 +12,14 @@ from collections.abc import Callable
 from ..decoding.drafter import Drafter, NoDrafter, StepOutcome
 from ..errors import UnknownMethodError, UnsupportedOptionError
 from .aded import AdedDrafter
+from .draft_model import DraftModelDrafter
+from .layer_skip import LayerSkipDrafter
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .rest import RestDrafter
 from .token_recycling import TokenRecyclingDrafter
 
-__all__ = ["AdedDrafter", "Drafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "check_method", "make_drafter", "parse_method", "restore_state", "save_state"]
+__all__ = ["AdedDrafter", "DraftModelDrafter", "Drafter", "LayerSkipDrafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "check_method", "make_drafter", "parse_method", "restore_state", "save_state"]
 
 #: Method name -> drafter factory. ``ar`` is plain autoregressive decoding through the same engine.
 METHODS: dict[str, Callable[..., Drafter]] = {
@@ -27,6 +29,8 @@ METHODS: dict[str, Callable[..., Drafter]] = {
     RestDrafter.name: RestDrafter,
     LookaheadDrafter.name: LookaheadDrafter,
     AdedDrafter.name: AdedDrafter,
+    DraftModelDrafter.name: DraftModelDrafter,
+    LayerSkipDrafter.name: LayerSkipDrafter,
 }
 
 

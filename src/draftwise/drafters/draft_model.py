@@ -1,0 +1,339 @@
+"""A separate, smaller draft model with the target's vocabulary: chain drafts or dynamic trees (EAGLE-2's way).
+
+The draft model keeps its own KV cache, synchronised before every proposal with the sequence as it now stands:
+whatever the last verification accepted or rejected, the cache is rolled back to the longest prefix it shares with
+the context and the rest is fed in one forward, so its state always equals a fresh prefill of the context.
+
+**Trees.** From the root's draft distribution ``q``, the ``width`` best tokens (greedy) or ``width`` tokens drawn
+without replacement (sampling) become nodes scored by their cumulative draft probability. Each level then expands
+the ``width`` best-scoring nodes of the level before, and the engine keeps the globally best nodes that pay for
+their verification (:func:`~draftwise.decoding.engine.size_trees`). ``width=1`` is a plain chain. A level is only
+drafted while its expected accepted tokens are worth more target time than the level's own forward costs.
+
+**Sampling.** The proposal carries every row's ``q`` (the draft's softmax at the request's temperature), so the
+engine verifies by rejection sampling (chain) or recursive rejection without replacement (trees): the output has
+exactly the target's distribution. Siblings are numbered in the order they were drawn and scored so that any cut
+of the tree keeps a prefix of those draws.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..backend.rows import CACHE, RowBlock
+from ..backend.target import Target
+from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
+from ..decoding.latency import LatencyModel
+from ..decoding.sampling import SamplingParams
+from ..decoding.tree import ROOT, DraftTree
+from ..errors import UnsupportedModelError
+from ..models import load_model, make_target
+from .stores.acceptance import AcceptanceTracker
+
+
+def draft_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The draft distribution ``q`` of logit rows: softmax at the request's temperature (1 for greedy requests,
+    where ``q`` only ranks and scores drafts)."""
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def pick_children(q: torch.Tensor, count: int, greedy: bool, generator: torch.Generator | None) -> list[int]:
+    """``count`` child tokens from ``q``: the most likely ones (greedy), or draws without replacement in the order
+    drawn (sampling), never a token of probability 0."""
+    count = min(count, int((q > 0).sum()))
+    if count <= 0:
+        return []
+    if greedy:
+        return torch.topk(q, count).indices.tolist()
+    return torch.multinomial(q.cpu(), count, replacement=False, generator=generator).tolist()
+
+
+def confidence_kind(probability: float) -> int:
+    """The calibration bucket of a draft token's probability: ``floor(-log2 q)``, 0 (q > 1/2) to 10."""
+    return min(10, int(-math.log2(max(probability, 1e-12))))
+
+
+class TreeGrowth:
+    """A draft tree grown level by level below the root, with each expanded row's ``q``.
+
+    Args:
+        tracker: acceptance rates by draft-probability bucket and depth: a node's score is its parent's times the
+            rate its bucket has had at its depth (raw draft probabilities are poor estimates: a flat but right draft
+            would never be verified, an over-confident one always).
+    """
+
+    def __init__(self, tracker: AcceptanceTracker) -> None:
+        self.tracker = tracker
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.depths: list[int] = []
+        self.paths: list[tuple[int, ...]] = []
+        self.kinds: dict[tuple[int, ...], int] = {}  # token path -> calibration bucket (see AcceptanceTracker)
+        self.q_rows: dict[int, torch.Tensor] = {}  # row (0 = root, node + 1) -> q
+
+    def add_children(self, node: int, q: torch.Tensor, count: int, greedy: bool, generator) -> list[int]:
+        """Expand ``node`` (``ROOT`` for the root) with ``count`` children drawn from ``q``; returns the new nodes."""
+        self.q_rows[node + 1] = q
+        base = 1.0 if node == ROOT else self.scores[node]
+        depth = 1 if node == ROOT else self.depths[node] + 1
+        prefix = () if node == ROOT else self.paths[node]
+        added = []
+        ceiling = base
+        for token in pick_children(q, count, greedy, generator):
+            kind = confidence_kind(float(q[token]))
+            # Scores never grow along the draw order of siblings, so keeping the best nodes keeps the first draws.
+            ceiling = min(ceiling, base * self.tracker.rate(kind, depth))
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.scores.append(ceiling)
+            self.depths.append(depth)
+            self.paths.append((*prefix, token))
+            self.kinds[self.paths[-1]] = kind
+            added.append(len(self.tokens) - 1)
+        return added
+
+    def path_rows(self, nodes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The nodes on the paths from the root down to ``nodes`` (ancestors first) and each one's parent among
+        them (:data:`CACHE` below the root)."""
+        keep: set[int] = set()
+        for node in nodes:
+            while node != ROOT and node not in keep:
+                keep.add(node)
+                node = self.parents[node]
+        ordered = sorted(keep)
+        index = {node: row for row, node in enumerate(ordered)}
+        return ordered, [CACHE if self.parents[node] == ROOT else index[self.parents[node]] for node in ordered]
+
+    def tree(self, with_q: bool) -> DraftTree:
+        draft_probs = None
+        if with_q and self.q_rows:
+            reference = self.q_rows[0]
+            rows = [self.q_rows.get(row, None) for row in range(len(self.tokens) + 1)]
+            # Unexpanded leaves have no children, so their row is never read: zeros stand in.
+            draft_probs = torch.stack([row if row is not None else torch.zeros_like(reference) for row in rows])
+        return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), draft_probs)
+
+
+class LevelClock:
+    """Seconds of a draft forward by row count, learned as drafting goes (a moving average per count)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        previous = self._seconds.get(rows)
+        self._seconds[rows] = seconds if previous is None else 0.7 * previous + 0.3 * seconds
+
+    def estimate(self, rows: int) -> float | None:
+        if rows in self._seconds:
+            return self._seconds[rows]
+        known = [count for count in self._seconds if count <= rows]
+        return self._seconds[max(known)] if known else None
+
+
+def worth_another_level(
+    latency: LatencyModel | None, clock: LevelClock, rows: int, expected_tokens: float
+) -> bool:
+    """Whether a draft level of ``rows`` rows, expected to add ``expected_tokens`` accepted tokens, costs less than
+    the target time those tokens save (one plain step each)."""
+    if latency is None:
+        return True
+    level_seconds = clock.estimate(rows)
+    if level_seconds is None:
+        return True  # not measured yet: measure it
+    return expected_tokens * latency.cost(1, 1) > level_seconds
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts with a separate model that shares the target's tokenizer (``draft:model=NAME``).
+
+    Args:
+        model: the draft model: a preset name, a GGUF file or a checkpoint folder (loaded on the target's device
+            in the target's dtype when the first sequence starts, and shared by every fork), or a loaded model
+            (a :class:`~draftwise.backend.target.Target` or a transformers causal LM) used as it is.
+        width: children per expanded node, and nodes expanded per level (EAGLE-2's top-k); 1 drafts a chain.
+        depth: most levels below the root.
+        adaptive: stop adding levels once the next one's expected accepted tokens are worth less target time than
+            its own forward costs (``False``: always draft ``depth`` levels; the engine still keeps only the nodes
+            that pay for their verification).
+        backend: how the draft model runs (see :func:`draftwise.load_model`).
+        cache_dir: where converted checkpoints are kept.
+    """
+
+    name = "draft"
+
+    def __init__(
+        self,
+        model: str | Target | torch.nn.Module | None = None,
+        width: int = 4,
+        depth: int = 8,
+        adaptive: bool = True,
+        backend: str = "auto",
+        cache_dir: str | None = None,
+    ) -> None:
+        if model is None or (isinstance(model, str) and not model):
+            raise ValueError("the draft method needs a draft model: draft:model=NAME (a preset, GGUF file or folder)")
+        if width < 1 or depth < 1:
+            raise ValueError(f"width and depth must be >= 1, got width={width}, depth={depth}")
+        self.model_name = model if isinstance(model, str) else type(model).__name__
+        self._given = None if isinstance(model, str) else model
+        self.width = int(width)
+        self.depth = int(depth)
+        self.adaptive = bool(adaptive)
+        self.backend = backend
+        self.cache_dir = cache_dir
+        # Shared by forks: the loaded draft model and what its forwards cost.
+        self._shared: dict[str, Any] = {
+            "draft": None, "target": None, "clock": LevelClock(), "tracker": AcceptanceTracker(),
+        }
+        self._own_sequence_state()
+
+    def _own_sequence_state(self) -> None:
+        self._cache: Any = None
+        self._cached: list[int] = []
+        self._sampling = SamplingParams()
+        self._latency: LatencyModel | None = None
+        self._generator: torch.Generator | None = None
+        self._kinds: dict[tuple[int, ...], int] = {}
+
+    @property
+    def draft(self) -> Target:
+        if self._shared["draft"] is None:
+            raise RuntimeError("the draft model is loaded when a sequence starts (Drafter.attach)")
+        return self._shared["draft"]
+
+    def attach(self, setup: SequenceSetup) -> None:
+        if self._shared["target"] is not setup.target:
+            if self._given is not None:
+                draft = self._given if isinstance(self._given, Target) else make_target(
+                    self._given, self.backend, calibrate=False)
+                check_same_vocabulary(setup.target, draft, getattr(draft, "tokenizer", None), self.model_name)
+            else:
+                draft = load_draft(self.model_name, setup.target, self.backend, self.cache_dir)
+            self._shared["draft"] = draft
+            self._shared["target"] = setup.target
+        self._sampling = setup.sampling
+        self._latency = setup.latency
+        self._generator = torch.Generator()
+        if setup.sampling.seed is not None:
+            self._generator.manual_seed(setup.sampling.seed)
+        else:
+            self._generator.seed()
+        self._cache = None
+        self._cached = []
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self._cache = None
+        self._cached = []
+
+    # ------------------------------------------------------------------------------------------------ cache
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the draft cache to exactly ``context`` (all of it committed); returns the last row's logits."""
+        draft = self.draft
+        shared = 0
+        limit = min(len(self._cached), len(context) - 1)  # the last token is always fed, for its logits
+        while shared < limit and self._cached[shared] == context[shared]:
+            shared += 1
+        if self._cache is None or shared == 0:
+            self._cache = draft.new_cache(len(context) + 2 * self.depth + 64)
+            logits = draft.prefill([self._cache], [list(context)]).logits[0][-1]
+        else:
+            draft.truncate(self._cache, shared)
+            new = list(context[shared:])
+            logits = draft.forward([self._cache], [RowBlock.chain(new)], last_only=True).logits[0][-1]
+            draft.commit(self._cache, range(len(new)))
+        self._cached = list(context)
+        return logits
+
+    def sync_logits(self, context: Sequence[int]) -> torch.Tensor:
+        """The draft's logits after ``context`` (public for tests: they must equal a fresh prefill's)."""
+        with torch.inference_mode():
+            return self._sync(context)
+
+    # --------------------------------------------------------------------------------------------- propose
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], budget: int) -> DraftTree:
+        draft, clock = self.draft, self._shared["clock"]
+        if budget <= 0 or len(context) + self.depth >= draft.context_length:
+            return DraftTree()
+        greedy = self._sampling.greedy
+        growth = TreeGrowth(self._shared["tracker"])
+        frontier = growth.add_children(
+            ROOT, draft_distribution(self._sync(context), self._sampling), min(self.width, budget), greedy,
+            self._generator,
+        )
+        committed = len(context)
+        try:
+            for _ in range(self.depth - 1):
+                if len(growth.tokens) >= budget or not frontier:
+                    break
+                expand = sorted(frontier, key=lambda node: -growth.scores[node])[: self.width]
+                rows = 1 if self.width == 1 else len(growth.path_rows(expand)[0])
+                if self.adaptive and not worth_another_level(
+                    self._latency, clock, rows, sum(growth.scores[node] for node in expand)
+                ):
+                    break
+                started = time.perf_counter()
+                q_rows = draft_distribution(self._level(draft, growth, expand), self._sampling)
+                clock.record(rows, time.perf_counter() - started)
+                frontier = []
+                for node, q in zip(expand, q_rows):
+                    frontier += growth.add_children(node, q, self.width, greedy, self._generator)
+        finally:
+            draft.truncate(self._cache, committed)
+        self._kinds = growth.kinds
+        return growth.tree(with_q=not greedy)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        if len(outcome.tree):
+            self._shared["tracker"].learn_step(outcome.tree, outcome.verification, self._kinds)
+
+    def _level(self, draft: Target, growth: TreeGrowth, expand: list[int]) -> torch.Tensor:
+        """The draft's logits at the nodes ``expand``, one row each. A chain is extended one committed row at a
+        time (its earlier nodes were committed by earlier levels); a tree level runs the paths down to ``expand``
+        in one tree-masked forward."""
+        if self.width == 1:
+            logits = draft.forward([self._cache], [RowBlock.chain([growth.tokens[expand[0]]])]).logits[0]
+            draft.commit(self._cache, [0])
+            return logits
+        nodes, parents = growth.path_rows(expand)
+        logits = draft.forward([self._cache], [RowBlock(tuple(growth.tokens[node] for node in nodes), tuple(parents))]).logits[0]
+        row_of = {node: row for row, node in enumerate(nodes)}
+        return logits[[row_of[node] for node in expand]]
+
+
+def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str | None = None) -> Target:
+    """Load draft model ``name`` on ``target``'s device in its dtype, refusing one whose vocabulary differs."""
+
+    draft, tokenizer = load_model(name, dtype=target.dtype, device=target.device, backend=backend,
+                                  cache_dir=cache_dir, calibrate=False, progress=True)
+    check_same_vocabulary(target, draft, tokenizer, name)
+    return draft
+
+
+def check_same_vocabulary(target: Target, draft: Target, draft_tokenizer: Any, name: str) -> None:
+    """Refuse a draft model whose token ids mean other tokens than the target's."""
+    target_size = target.model.get_output_embeddings().weight.shape[0]
+    draft_size = draft.model.get_output_embeddings().weight.shape[0]
+    if target_size != draft_size:
+        raise UnsupportedModelError(
+            f"draft model {name!r} has {draft_size} output tokens, the target {target_size}: a draft model must "
+            "share the target's tokenizer"
+        )
+    target_tokenizer = getattr(target, "tokenizer", None)
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise UnsupportedModelError(
+                f"draft model {name!r} has another vocabulary than the target: a draft model must share the "
+                "target's tokenizer"
+            )
+

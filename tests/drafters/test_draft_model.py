@@ -1,0 +1,141 @@
+"""The draft-model drafter: plain greedy decoding's ids with chains and dynamic trees on every backend, a draft cache
+that always equals a fresh prefill of the context, exact sampling through the draft distribution, clear refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from distributions import assert_same_distribution, exact_marginals
+from tiny import make_tiny_model, noisy_copy, repetitive_prompt
+
+import draftwise
+from draftwise.backend.invariance import plan_rows
+from draftwise.backend.lean import LeanTarget
+from draftwise.backend.machine import MeasurementStore
+from draftwise.decoding.sampling import SamplingParams
+from draftwise.drafters.draft_model import DraftModelDrafter, TreeGrowth, pick_children
+from draftwise.drafters.stores.acceptance import AcceptanceTracker
+from draftwise.errors import UnsupportedModelError, UnsupportedOptionError
+
+
+@pytest.fixture(scope="module", params=["lean-float32", "lean-bfloat16", "transformers"])
+def target(request, tmp_path_factory):
+    backend, _, dtype = request.param.partition("-")
+    model = make_tiny_model("qwen2", seed=0).to(getattr(torch, dtype or "float32"))
+    if backend == "transformers":
+        return model
+    lean = LeanTarget(model)
+    plan_rows(lean, MeasurementStore(tmp_path_factory.mktemp("machine")))
+    return lean
+
+
+def _model_of(target):
+    return target.model if isinstance(target, LeanTarget) else target
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_greedy_ids_equal_ar_with_chains_and_trees(target, width):
+    drafter = DraftModelDrafter(model=noisy_copy(_model_of(target), noise=0.05), width=width, depth=5, adaptive=False)
+    rng = random.Random(width)
+    accepted = drafted = 0
+    for _ in range(4):
+        prompt = repetitive_prompt(rng, low=10, high=80)
+        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+        result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40)
+        assert result.token_ids == expected
+        accepted += result.stats.accepted_tokens
+        drafted += result.stats.drafted_tokens
+        assert result.stats.draft_time_s > 0
+    assert accepted > 0 and (width == 1 or drafted > accepted)
+
+
+def test_batched_sequences_get_their_batch_1_ids(target):
+    drafter = DraftModelDrafter(model=noisy_copy(_model_of(target), noise=0.05), width=2, depth=4, adaptive=False)
+    rng = random.Random(5)
+    batch = [repetitive_prompt(rng, low=5, high=60) for _ in range(5)]
+    alone = [draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+             for prompt in batch]
+    results = draftwise.generate(target, None, prompt_ids=batch, method=drafter, max_new_tokens=30, max_batch=3)
+    assert [result.token_ids for result in results] == alone
+
+
+def test_draft_cache_equals_a_fresh_prefill_after_any_accept_pattern(tmp_path):
+    """Contexts that grow by accepted drafts, by tokens the draft never proposed, and that change behind the cache
+    (a new request sharing a prefix): the draft's logits always equal those of a fresh prefill."""
+    target = LeanTarget(make_tiny_model("llama", seed=0))
+    draft_model = noisy_copy(target.model, noise=0.1)
+    drafter = DraftModelDrafter(model=draft_model, width=3, depth=4, adaptive=False)
+    drafter.attach(_setup(target))
+    rng = random.Random(0)
+    context = repetitive_prompt(rng, low=20, high=40)
+    for step in range(40):
+        tree = drafter.propose(tuple(context), 12)
+        kind = rng.random()
+        if kind < 0.5 and len(tree):  # accept a path of the draft, then the target's own token
+            node = rng.randrange(len(tree))
+            context += [tree.tokens[n] for n in tree.path_to(node)] + [rng.randrange(96)]
+        elif kind < 0.85:  # everything rejected
+            context += [rng.randrange(96)]
+        else:  # the context changes behind the cache
+            context = context[: rng.randrange(1, len(context))] + [rng.randrange(96) for _ in range(rng.randint(1, 5))]
+        fresh = DraftModelDrafter(model=draft_model)
+        fresh.attach(_setup(target))
+        torch.testing.assert_close(drafter.sync_logits(context), fresh.sync_logits(context), atol=1e-4, rtol=0)
+
+
+def _setup(target):
+    from draftwise.decoding.drafter import SequenceSetup
+    from draftwise.decoding.latency import LatencyModel
+
+    return SequenceSetup(target, None, SamplingParams(), LatencyModel())
+
+
+def test_refusals():
+    target = make_tiny_model("llama", seed=0)
+    other_vocabulary = make_tiny_model("llama", seed=1, vocab=128)
+    with pytest.raises(UnsupportedModelError, match="tokenizer"):
+        draftwise.generate(target, None, prompt_ids=[1, 2, 3], method=DraftModelDrafter(model=other_vocabulary),
+                           max_new_tokens=4)
+    with pytest.raises(UnsupportedOptionError, match="draft model"):
+        draftwise.make_drafter("draft")
+    with pytest.raises(UnsupportedOptionError, match="width"):
+        draftwise.make_drafter("draft:model=x,width=0")
+
+
+def test_sibling_scores_keep_the_draw_order():
+    """Sampled siblings are numbered in draw order and never score above an earlier draw, so the engine's cut keeps
+    a prefix of the draws (what recursive rejection without replacement needs)."""
+    q = torch.tensor([0.05, 0.5, 0.1, 0.35])
+    growth = TreeGrowth(AcceptanceTracker())
+    generator = torch.Generator().manual_seed(0)
+    nodes = growth.add_children(-1, q, 4, greedy=False, generator=generator)
+    scores = [growth.scores[node] for node in nodes]
+    assert scores == sorted(scores, reverse=True)
+    assert pick_children(torch.tensor([0.0, 1.0, 0.0]), 3, greedy=False, generator=generator) == [1]
+
+
+SMALL_VOCAB = 24
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_sampling_keeps_the_target_distribution(width):
+    """Chain rejection sampling (width 1) and recursive rejection over sampled siblings (width 3): the first two
+    tokens' marginals equal plain sampling's (chi-square over 1500 draws)."""
+    model = make_tiny_model("llama", seed=3, vocab=SMALL_VOCAB, scale=1.5)
+    drafter = DraftModelDrafter(model=noisy_copy(model, noise=0.5, seed=4), width=width, depth=3, adaptive=False)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    marginals = exact_marginals(model, PROMPT, params, count=3)
+    samples: list[list[int]] = [[], [], []]
+    accepted = 0
+    for seed in range(1500):
+        result = draftwise.generate(model, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=4, seed=seed,
+                                    temperature=0.8, top_p=0.95)
+        for position in range(3):
+            samples[position].append(result.token_ids[position])
+        accepted += result.stats.accepted_tokens
+    assert accepted > 100
+    for position in range(3):
+        assert_same_distribution(samples[position], marginals[position])

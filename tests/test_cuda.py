@@ -10,15 +10,17 @@ import random
 
 import pytest
 import torch
-from distributions import assert_same_distribution
-from tiny import drafter_for, make_tiny_model, repetitive_prompt
+from distributions import assert_same_distribution, exact_marginals
+from tiny import drafter_for, make_tiny_model, noisy_copy, repetitive_prompt
 
 import draftwise
 from draftwise.backend.invariance import check_trees, plan_rows
 from draftwise.backend.lean import BLOCK, LeanTarget
 from draftwise.backend.machine import MeasurementStore
-from draftwise.decoding.sampling import SamplingParams, transform_logits
+from draftwise.decoding.sampling import SamplingParams
 from draftwise.decoding.tree import DraftTree
+from draftwise.drafters.draft_model import DraftModelDrafter
+from draftwise.drafters.layer_skip import LayerSkipDrafter
 
 pytestmark = [
     pytest.mark.cuda,
@@ -102,26 +104,25 @@ def test_transformers_backend_matches_generate():
         assert draftwise.generate(model, None, prompt_ids=prompt, method=method, max_new_tokens=30).token_ids == expected
 
 
-def test_speculative_sampling_keeps_the_distribution(tmp_path):
-    vocab = 24
-    model = make_tiny_model("llama", seed=3, vocab=vocab, scale=1.5).to("cuda")
+@pytest.mark.parametrize("method", ["pld", "draft", "layerskip"])
+def test_speculative_sampling_keeps_the_distribution(method, tmp_path):
+    """The first three tokens' marginals equal plain sampling's; four tokens to generate let the first step draft
+    two levels (point-mass drafts for pld, draft distributions for the draft model and layer skipping)."""
+    model = make_tiny_model("llama", seed=3, vocab=24, scale=1.5, num_hidden_layers=4).to("cuda")
     target = planned(model, tmp_path)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
     params = SamplingParams(temperature=0.8, top_p=0.95)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1:]
-        first = torch.softmax(transform_logits(logits, params, prompt)[0].double(), -1).cpu()
-        second = torch.zeros(vocab, dtype=torch.float64)
-        for token in range(vocab):
-            if first[token] > 0:
-                context = [*prompt, token]
-                logits = model(torch.tensor([context], device="cuda")).logits[0, -1:]
-                second += first[token] * torch.softmax(transform_logits(logits, params, context)[0].double(), -1).cpu()
-    firsts, seconds = [], []
+    marginals = exact_marginals(model, prompt, params, count=3)
+    drafter = {
+        "pld": "pld",
+        "draft": DraftModelDrafter(model=noisy_copy(model, noise=0.5, seed=4), width=3, depth=3, adaptive=False),
+        "layerskip": LayerSkipDrafter(ratio=0.5, threshold=0.0, adaptive=False, depth=3),
+    }[method]
+    samples: list[list[int]] = [[], [], []]
     for seed in range(1200):
-        ids = draftwise.generate(target, None, prompt_ids=prompt, method="pld", max_new_tokens=2, seed=seed,
+        ids = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=4, seed=seed,
                                  temperature=0.8, top_p=0.95).token_ids
-        firsts.append(ids[0])
-        seconds.append(ids[1])
-    assert_same_distribution(firsts, first)
-    assert_same_distribution(seconds, second)
+        for position in range(3):
+            samples[position].append(ids[position])
+    for position in range(3):
+        assert_same_distribution(samples[position], marginals[position])

@@ -276,8 +276,8 @@ def noisy_copy(model, noise: float = 0.02, seed: int = 99):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in twin.parameters():
-            change = torch.randn(parameter.shape, generator=generator) * noise * parameter.float().std().clamp(min=1e-3)
-            parameter.add_(change.to(parameter.dtype).to(parameter.device))
+            change = torch.randn(parameter.shape, generator=generator).to(parameter.device)
+            parameter.add_((change * noise * parameter.float().std().clamp(min=1e-3)).to(parameter.dtype))
     return twin
 
 

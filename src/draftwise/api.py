@@ -303,7 +303,8 @@ def generate(
             template; or a list of such prompts (a batch: one result per prompt). Alternatively pass ``prompt_ids``.
         method: ``"ar"`` (plain decoding), ``"pld"`` (prompt lookup), a spec with options such as
             ``"pld:max_ngram=3"``, or a :class:`~draftwise.drafters.Drafter` instance (a batch gives each further
-            prompt a :meth:`~draftwise.drafters.Drafter.fork` of it, sharing what it learns).
+            prompt a :meth:`~draftwise.drafters.Drafter.fork` of the first prompt's drafter, sharing what it learns
+            and, for ``draft``, the draft model).
         max_new_tokens: most tokens to generate (per prompt).
         stop: stop sequences; generation ends at the token that completes one (the text is cut before it).
         prompt_ids: token ids to use instead of ``prompt`` (a list of lists for a batch).
@@ -418,12 +419,8 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
     for index, (text, ids) in enumerate(zip(prompts, ids_list)):
         ids = encode_prompt(tokenizer, text, chat_template) if ids is None else [int(token) for token in ids]
         check_request(target.context_length, ids, max_new_tokens, budget)
-        if index == 0:
-            drafter = first_drafter
-        elif isinstance(method, Drafter):
-            drafter = first_drafter.fork()
-        else:
-            drafter = resolve_method(method, method_options)[0]
+        # Later prompts of a batch draft with forks: what a drafter learns, and a draft model it loads, is shared.
+        drafter = first_drafter if index == 0 else first_drafter.fork()
         requests.append(_Request(
             tokenizer=tokenizer,
             prompt_ids=ids,

@@ -256,3 +256,18 @@ def test_a_batch_over_the_row_limit_runs_as_several_forwards(dtype, tmp_path, mo
         alone = [target.forward([cache], [block]).logits[0] for cache, block in zip(caches, blocks)]
     assert len(together.logits) == len(together.hidden_states) == 5
     assert all(torch.equal(a, b) for a, b in zip(together.logits, alone))
+
+
+def test_fixed_row_plans_and_separate_attention_stay_exact(tmp_path):
+    """The GPU plan's pieces, checked on the CPU: linear products run in fixed 8-row chunks and every sequence's
+    attention on its own still give every verification row plain decoding's bits, alone and batched."""
+    target = planned(model_in("qwen2", torch.float32), tmp_path)
+    target.set_row_plan(8, target.attention_min_rows, linear_fixed=True)
+    assert not target.joint_attention and target.head.fixed_rows
+    report = check_trees(target, trials=12, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7, seed=5)
+    assert report.exact, report.mismatches[:3]
+    rng = random.Random(9)
+    prompts = [repetitive_prompt(rng, low=5, high=50) for _ in range(5)]
+    alone = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=25).token_ids for p in prompts]
+    batched = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=25, max_batch=5)
+    assert [result.token_ids for result in batched] == alone

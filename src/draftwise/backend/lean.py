@@ -179,6 +179,8 @@ class LeanTarget(Target):
         self.intermediate = config.intermediate_size
         self.block = BLOCK
         self.attention_min_rows = attention_min_rows
+        #: Several sequences' attention in one set of padded products (exact on CPUs; see set_row_plan).
+        self.joint_attention = True
         device, dtype = model.device, model.dtype
         self.packed = packing_available(dtype, device) if packed is None else packed
         self.layers = [self._layer(layer, linear_min_rows) for layer in model.model.layers]
@@ -236,6 +238,8 @@ class LeanTarget(Target):
             linear.min_rows = linear_min_rows
             linear.fixed_rows = linear_fixed
         self.attention_min_rows = attention_min_rows
+        # Fixed-row plans are the GPUs', where joint attention over sequences is not batch invariant.
+        self.joint_attention = not linear_fixed
 
     # ----------------------------------------------------------------------------------------------- cache
 
@@ -383,6 +387,20 @@ class LeanTarget(Target):
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
                                        self.attention_min_rows)
+        elif not self.joint_attention:
+            # Each sequence's attention on its own: padding sequences to a shared block count lengthens the
+            # reductions, which on GPUs changes their order (and a row's last bits) even though the padding is zero.
+            bounds = [0]
+            for block in blocks:
+                bounds.append(bounds[-1] + len(block.tokens))
+
+            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                queries = queries.view(-1, *shape)
+                return torch.cat([
+                    block_attention(queries[bounds[sequence] : bounds[sequence + 1]], cache.keys[index],
+                                    cache.values[index], layout, self.attention_min_rows)
+                    for sequence, (cache, layout) in enumerate(zip(caches, layouts))
+                ])
         else:
             # Several sequences: one set of padded products per group of sequences with similar row counts (padding
             # a one-row sequence to another's 17-row tree would cost more than the products it saves), each row

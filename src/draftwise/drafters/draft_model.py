@@ -99,6 +99,11 @@ class TreeGrowth:
             added.append(len(self.tokens) - 1)
         return added
 
+    def expected_child_gain(self, node: int) -> float:
+        """Expected accepted tokens from expanding ``node``: its score times the rate its own bucket has one level
+        deeper (a confident draft tends to stay confident)."""
+        return self.scores[node] * self.tracker.rate(self.kinds[self.paths[node]], self.depths[node] + 1)
+
     def path_rows(self, nodes: Sequence[int]) -> tuple[list[int], list[int]]:
         """The nodes on the paths from the root down to ``nodes`` (ancestors first) and each one's parent among
         them (:data:`CACHE` below the root)."""
@@ -139,16 +144,28 @@ class LevelClock:
 
 
 def worth_another_level(
-    latency: LatencyModel | None, clock: LevelClock, rows: int, expected_tokens: float
+    latency: LatencyModel | None,
+    clock: LevelClock,
+    rows: int,
+    expected_gain: float,
+    scores: Sequence[float],
+    budget: int,
+    seconds_so_far: float,
 ) -> bool:
-    """Whether a draft level of ``rows`` rows, expected to add ``expected_tokens`` accepted tokens, costs less than
-    the target time those tokens save (one plain step each)."""
+    """Whether drafting one more level (a forward of ``rows`` draft rows expected to add ``expected_gain`` accepted
+    tokens) raises the step's expected tokens per second: ``(1 + kept scores) / (verification + drafting time)``,
+    with the verification of the best ``budget`` nodes priced by the engine's cost model."""
     if latency is None:
         return True
     level_seconds = clock.estimate(rows)
     if level_seconds is None:
         return True  # not measured yet: measure it
-    return expected_tokens * latency.cost(1, 1) > level_seconds
+    kept = sorted(scores, reverse=True)[:budget]
+    tokens = 1.0 + sum(kept)
+    now = tokens / (latency.cost(1 + len(kept)) + seconds_so_far)
+    verify_after = latency.cost(1 + min(budget, len(kept) + max(1, round(expected_gain))))
+    after = (tokens + expected_gain) / (verify_after + seconds_so_far + level_seconds)
+    return after > now
 
 
 class DraftModelDrafter(Drafter):
@@ -172,7 +189,7 @@ class DraftModelDrafter(Drafter):
     def __init__(
         self,
         model: str | Target | torch.nn.Module | None = None,
-        width: int = 4,
+        width: int = 2,
         depth: int = 8,
         adaptive: bool = True,
         backend: str = "auto",
@@ -267,31 +284,33 @@ class DraftModelDrafter(Drafter):
             return DraftTree()
         greedy = self._sampling.greedy
         growth = TreeGrowth(self._shared["tracker"])
+        started = time.perf_counter()  # the step's drafting time, the synchronising forward included
         frontier = growth.add_children(
-            ROOT, draft_distribution(self._sync(context), self._sampling), min(self.width, budget), greedy,
-            self._generator,
+            ROOT, draft_distribution(self._sync(context), self._sampling), self.width, greedy, self._generator
         )
         committed = len(context)
         try:
             for _ in range(self.depth - 1):
-                if len(growth.tokens) >= budget or not frontier:
+                if not frontier:
                     break
                 expand = sorted(frontier, key=lambda node: -growth.scores[node])[: self.width]
                 rows = 1 if self.width == 1 else len(growth.path_rows(expand)[0])
+                gain = sum(growth.expected_child_gain(node) for node in expand)
                 if self.adaptive and not worth_another_level(
-                    self._latency, clock, rows, sum(growth.scores[node] for node in expand)
+                    self._latency, clock, rows, gain, growth.scores, budget, time.perf_counter() - started
                 ):
                     break
-                started = time.perf_counter()
+                level_started = time.perf_counter()
                 q_rows = draft_distribution(self._level(draft, growth, expand), self._sampling)
-                clock.record(rows, time.perf_counter() - started)
+                clock.record(rows, time.perf_counter() - level_started)
                 frontier = []
                 for node, q in zip(expand, q_rows):
                     frontier += growth.add_children(node, q, self.width, greedy, self._generator)
         finally:
             draft.truncate(self._cache, committed)
         self._kinds = growth.kinds
-        return growth.tree(with_q=not greedy)
+        # Every level offers width x width candidates; the best ``budget`` of all levels form the draft.
+        return growth.tree(with_q=not greedy).best(budget)
 
     def observe(self, outcome: StepOutcome) -> None:
         if len(outcome.tree):

@@ -7,9 +7,10 @@ draft rows' there, a skipped one writes nothing. Those slots are scratch that ev
 and the cache is rolled back to its committed length after each proposal, so the target's cache is never changed.
 
 **The skip set is searched online.** Each candidate drafts for a few steps and is scored by the tokens per second its
-steps delivered (accepted drafts plus the target's own token, over the target's and the draft's time). Candidates
-are random sets of the configured size at first, then mostly mutations of the best one (a skipped sub-layer swapped
-for a kept one), a random search over the sets; once the trials are spent the best set is kept.
+steps delivered (accepted drafts plus the target's own token, over the target's and the draft's time). The first
+candidate skips the middle layers' attentions (then their MLPs); the next ones are random sets of the configured
+size or, mostly, mutations of the best one (a skipped sub-layer swapped for a kept one): a random search over the
+sets. Once the trials are spent the best set is kept.
 
 **Drafting stops when the draft is unsure:** a chain continues while the skipped model's probability of its own
 token stays above ``threshold`` and the next level's expected accepted tokens are worth its cost.
@@ -91,8 +92,10 @@ class SkipSearch:
         self.current = Trial(self._first())
 
     def _first(self) -> frozenset[SubLayer]:
-        # Start from the MLPs and attentions of the later middle layers, which change the residual stream least.
-        ranked = sorted(self._pool, key=lambda sub: (-sub[0], sub[1]))
+        # Start from the attentions of the middle layers, then their MLPs: on SmolLM2, skipping five middle
+        # attentions kept 8 of 11 next-token argmaxes, skipping seven late-layer attentions 2 of 11.
+        middle = (self.layers - 1) / 2
+        ranked = sorted(self._pool, key=lambda sub: (sub[1] != "attention", abs(sub[0] - middle), sub[0]))
         return frozenset(ranked[: self.size])
 
     @property
@@ -217,7 +220,8 @@ class LayerSkipDrafter(Drafter):
         try:
             for _ in range(min(self.depth, budget)):
                 if self.adaptive and node != ROOT and not worth_another_level(
-                    self._latency, clock, 1, growth.scores[node]
+                    self._latency, clock, 1, growth.expected_child_gain(node), growth.scores, budget,
+                    time.perf_counter() - started
                 ):
                     break
                 level_started = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import CharTokenizer, make_tiny_model
+from tiny import CharTokenizer, make_tiny_model, planned
 
 
 @pytest.fixture(autouse=True)
@@ -43,3 +43,14 @@ def tiny_model(request, tiny_llama, tiny_qwen2):
 @pytest.fixture(scope="session")
 def char_tokenizer(tiny_llama):
     return CharTokenizer(tiny_llama.config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=["lean-float32", "lean-bfloat16", "transformers"])
+def target(request, tmp_path_factory):
+    """Each way the engine runs a model: the lean forward in two dtypes, and transformers' public forward (a tiny
+    qwen2 model)."""
+    backend, _, dtype = request.param.partition("-")
+    model = make_tiny_model("qwen2", seed=0).to(getattr(torch, dtype or "float32"))
+    if backend == "transformers":
+        return model
+    return planned(model, tmp_path_factory.mktemp("machine"))

@@ -69,3 +69,25 @@ def exact_marginals(model, prompt: list[int], params, count: int = 3) -> list[to
             marginals.append(total)
             frontier = following
     return marginals
+
+
+def check_speculative_sampling(target, reference, prompt: list[int], method, options: dict, draws: int = 1500) -> int:
+    """Generate four tokens ``draws`` times (seeds 0, 1, ...) with ``method`` on ``target`` and the sampling
+    ``options``, assert that the first three tokens' marginals equal plain sampling's (computed exactly on
+    ``reference``, the transformers model), and return how many draft tokens were accepted in all. With four tokens
+    to generate, the first step drafts two levels, so tokens 2 and 3 come out of the verification walk."""
+    import draftwise
+    from draftwise.decoding.sampling import SamplingParams
+
+    marginals = exact_marginals(reference, prompt, SamplingParams(**options), count=3)
+    samples: list[list[int]] = [[], [], []]
+    accepted = 0
+    for seed in range(draws):
+        result = draftwise.generate(target, None, prompt_ids=prompt, method=method, max_new_tokens=4, seed=seed,
+                                    **options)
+        for position in range(3):
+            samples[position].append(result.token_ids[position])
+        accepted += result.stats.accepted_tokens
+    for position in range(3):
+        assert_same_distribution(samples[position], marginals[position])
+    return accepted

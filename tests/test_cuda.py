@@ -10,14 +10,12 @@ import random
 
 import pytest
 import torch
-from distributions import assert_same_distribution, exact_marginals
-from tiny import drafter_for, make_tiny_model, noisy_copy, repetitive_prompt
+from distributions import check_speculative_sampling
+from tiny import drafter_for, make_tiny_model, noisy_copy, planned, repetitive_prompt
 
 import draftwise
-from draftwise.backend.invariance import check_trees, plan_rows
-from draftwise.backend.lean import BLOCK, LeanTarget
-from draftwise.backend.machine import MeasurementStore
-from draftwise.decoding.sampling import SamplingParams
+from draftwise.backend.invariance import check_trees
+from draftwise.backend.lean import BLOCK
 from draftwise.decoding.tree import DraftTree
 from draftwise.drafters.draft_model import DraftModelDrafter
 from draftwise.drafters.layer_skip import LayerSkipDrafter
@@ -34,12 +32,6 @@ METHODS = sorted(draftwise.METHODS)
 
 def cuda_model(kind: str, dtype: torch.dtype, **overrides):
     return make_tiny_model(kind, seed=0, **overrides).to(device="cuda", dtype=dtype)
-
-
-def planned(model, tmp_path) -> LeanTarget:
-    target = LeanTarget(model)
-    plan_rows(target, MeasurementStore(tmp_path))
-    return target
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,18 +103,9 @@ def test_speculative_sampling_keeps_the_distribution(method, tmp_path):
     model = make_tiny_model("llama", seed=3, vocab=24, scale=1.5, num_hidden_layers=4).to("cuda")
     target = planned(model, tmp_path)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    marginals = exact_marginals(model, prompt, params, count=3)
     drafter = {
         "pld": "pld",
         "draft": DraftModelDrafter(model=noisy_copy(model, noise=0.5, seed=4), width=3, depth=3, adaptive=False),
         "layerskip": LayerSkipDrafter(ratio=0.5, threshold=0.0, adaptive=False, depth=3),
     }[method]
-    samples: list[list[int]] = [[], [], []]
-    for seed in range(1200):
-        ids = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=4, seed=seed,
-                                 temperature=0.8, top_p=0.95).token_ids
-        for position in range(3):
-            samples[position].append(ids[position])
-    for position in range(3):
-        assert_same_distribution(samples[position], marginals[position])
+    check_speculative_sampling(target, model, prompt, drafter, {"temperature": 0.8, "top_p": 0.95}, draws=1200)

@@ -268,6 +268,17 @@ class RandomTreeDrafter(ReferenceDrafter):
         return random_tree(self.rng, size, self.vocab, suggest)
 
 
+def planned(model, folder):
+    """``model`` on the engine's lean forward with its row plan measured (the measurements kept in ``folder``)."""
+    from draftwise.backend.invariance import plan_rows
+    from draftwise.backend.lean import LeanTarget
+    from draftwise.backend.machine import MeasurementStore
+
+    target = LeanTarget(model)
+    plan_rows(target, MeasurementStore(folder))
+    return target
+
+
 def noisy_copy(model, noise: float = 0.02, seed: int = 99):
     """A copy of ``model`` with small random changes to its weights: a draft model that is often, not always, right."""
     import copy

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from tiny import drafter_for, make_tiny_model, repetitive_prompt
+from tiny import drafter_for, make_tiny_model, planned, repetitive_prompt
 
 import draftwise
 from draftwise.backend import invariance
@@ -27,12 +27,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
 
 def model_in(kind: str, dtype: torch.dtype, **overrides):
     return make_tiny_model(kind, seed=0, **overrides).to(dtype)
-
-
-def planned(model, tmp_path) -> LeanTarget:
-    target = LeanTarget(model)
-    plan_rows(target, MeasurementStore(tmp_path))
-    return target
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

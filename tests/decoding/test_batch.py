@@ -6,13 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from tiny import ChatCharTokenizer, drafter_for, make_tiny_model, repetitive_prompt
+from tiny import ChatCharTokenizer, drafter_for, repetitive_prompt
 
 import draftwise
-from draftwise.backend.invariance import plan_rows
-from draftwise.backend.lean import LeanTarget
-from draftwise.backend.machine import MeasurementStore
 from draftwise.backend.target import Target
 from draftwise.decoding.batch import Scheduler
 from draftwise.decoding.drafter import NoDrafter
@@ -20,18 +16,6 @@ from draftwise.decoding.engine import Decoder, FinishReason
 from draftwise.errors import InvalidRequestError
 
 METHODS = sorted(draftwise.METHODS)
-
-
-@pytest.fixture(scope="module", params=["lean-float32", "lean-bfloat16", "transformers"])
-def target(request, tmp_path_factory):
-    """Each way the engine runs a model: the lean forward in two dtypes, and transformers' public forward."""
-    backend, _, dtype = request.param.partition("-")
-    model = make_tiny_model("qwen2", seed=0).to(getattr(torch, dtype or "float32"))
-    if backend == "transformers":
-        return model
-    lean = LeanTarget(model)
-    plan_rows(lean, MeasurementStore(tmp_path_factory.mktemp("machine")))
-    return lean
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:

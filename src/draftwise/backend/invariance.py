@@ -244,17 +244,16 @@ def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 
     if target.device.type == "cpu":
         fixed = False
         linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
+        ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]
         checks = {"trials": trials}
     else:
         # GPU libraries pick a kernel by the row count at every size (a batch of four trees changed rows in the
-        # last bits where each tree alone did not): every product runs at one fixed row count, and the check is
-        # made longer since it is cheap there.
+        # last bits where each tree alone did not): every product runs at one fixed row count, attention's too
+        # (only at 64 query rows did its results not depend on the batch count), and the check is made longer
+        # since it is cheap there.
         fixed, linear = True, GPU_FIXED_ROWS
-        checks = {"trials": 3 * trials, "steps": 2 * BLOCK + 10, "prompt_length": BLOCK - 7}
-    ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]
-    if fixed:
-        # Attention's batched products too: only at 64 query rows did their results not depend on the batch count.
         ladder = [(linear, max(attention, GPU_FIXED_ROWS))]
+        checks = {"trials": 3 * trials, "steps": 2 * BLOCK + 10, "prompt_length": BLOCK - 7}
     plan = RowPlan(linear, attention, False, linear_fixed=fixed)
     for linear_rows, attention_rows in dict.fromkeys(ladder):
         plan = RowPlan(linear_rows, attention_rows, False, linear_fixed=fixed)

@@ -130,6 +130,16 @@ class SamplingParams:
         same position however verification steps fall), torch's global generator otherwise."""
         return PositionalDraws(self.seed) if self.seed is not None else Draws()
 
+    def generator(self) -> torch.Generator:
+        """A generator for a sequence's other random choices (a drafter sampling its drafts): seeded by
+        :attr:`seed` when set, from fresh entropy otherwise."""
+        generator = torch.Generator()
+        if self.seed is not None:
+            generator.manual_seed(self.seed)
+        else:
+            generator.seed()
+        return generator
+
 
 def row_histories(context: Sequence[int], tree: DraftTree) -> list[list[int]]:
     """The token history of every row of a verification forward: the context, plus the path down to the row."""

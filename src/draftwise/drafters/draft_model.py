@@ -238,13 +238,7 @@ class DraftModelDrafter(Drafter):
             self._shared["target"] = setup.target
         self._sampling = setup.sampling
         self._latency = setup.latency
-        self._generator = torch.Generator()
-        if setup.sampling.seed is not None:
-            self._generator.manual_seed(setup.sampling.seed)
-        else:
-            self._generator.seed()
-        self._cache = None
-        self._cached = []
+        self._generator = setup.sampling.generator()
 
     def reset(self, prompt: Sequence[int]) -> None:
         self._cache = None

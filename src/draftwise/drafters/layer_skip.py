@@ -199,11 +199,7 @@ class LayerSkipDrafter(Drafter):
         self._cache = setup.cache
         self._sampling = setup.sampling
         self._latency = setup.latency
-        self._generator = torch.Generator()
-        if setup.sampling.seed is not None:
-            self._generator.manual_seed(setup.sampling.seed)
-        else:
-            self._generator.seed()
+        self._generator = setup.sampling.generator()
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:

@@ -265,3 +265,34 @@ def test_fixed_row_plans_and_separate_attention_stay_exact(tmp_path):
     alone = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=25).token_ids for p in prompts]
     batched = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=25, max_batch=5)
     assert [result.token_ids for result in batched] == alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("min_rows", [1, 4])
+def test_lone_row_attention_is_block_attention_bitwise(dtype, min_rows):
+    """Plain decoding's attention paths (one sequence's lone row; lone rows of sequences of ragged lengths in one set
+    of products) give exactly block_attention's bits, at lengths on and around block boundaries."""
+    from draftwise.backend.attention import (
+        block_attention,
+        rows_layout,
+        single_row_attention,
+        single_rows_attention,
+        tail_layout,
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, group, head_dim, blocks = 2, 3, 16, 6
+    lengths = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 17, 5 * BLOCK + 3]
+    keys = [torch.randn(blocks, kv_heads, BLOCK, head_dim, generator=generator).to(dtype) for _ in lengths]
+    values = [torch.randn(blocks, kv_heads, BLOCK, head_dim, generator=generator).to(dtype) for _ in lengths]
+    query = torch.randn(len(lengths), kv_heads, group, head_dim, generator=generator).to(dtype)
+    expected = [
+        block_attention(query[index : index + 1], keys[index], values[index],
+                        tail_layout(length, [-1], BLOCK, kv_heads), min_rows)
+        for index, length in enumerate(lengths)
+    ]
+    for index, length in enumerate(lengths):
+        alone = single_row_attention(query[index : index + 1], keys[index], values[index], length, min_rows)
+        assert torch.equal(alone, expected[index]), length
+    together = single_rows_attention(query, keys, values, rows_layout(lengths, BLOCK), min_rows)
+    assert torch.equal(together, torch.cat(expected))

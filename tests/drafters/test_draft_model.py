@@ -115,3 +115,35 @@ def test_sampling_keeps_the_target_distribution(width):
     drafter = DraftModelDrafter(model=noisy_copy(model, noise=0.5, seed=4), width=width, depth=3, adaptive=False)
     accepted = check_speculative_sampling(model, model, PROMPT, drafter, {"temperature": 0.8, "top_p": 0.95})
     assert accepted > 100
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_draft_head_over_part_of_the_vocabulary_keeps_greedy_ids(width):
+    """A draft scoring only the 16 lowest ids and the context's tokens: plain greedy decoding's ids, drafts still
+    accepted, and a draft distribution that is zero outside those tokens."""
+    target = LeanTarget(make_tiny_model("llama", seed=0))
+    drafter = DraftModelDrafter(model=noisy_copy(target.model, noise=0.05), width=width, depth=4, adaptive=False,
+                                vocab=16)
+    rng = random.Random(7)
+    accepted = 0
+    for _ in range(3):
+        prompt = repetitive_prompt(rng, low=10, high=60)
+        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+        result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=30)
+        assert result.token_ids == expected
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0
+    head = drafter._shared["head"]
+    assert head is not None and head.size == 16 and head.extra
+    q = drafter._distribution(torch.randn(len(head.ids)))
+    outside = torch.ones(q.shape[-1], dtype=torch.bool)
+    outside[head.ids] = False
+    assert q.shape[-1] == target.model.config.vocab_size and float(q[outside].sum()) == 0.0
+    torch.testing.assert_close(float(q.sum()), 1.0)
+
+
+def test_sampling_with_a_draft_head_over_part_of_the_vocabulary_keeps_the_target_distribution():
+    model = make_tiny_model("llama", seed=3, vocab=SMALL_VOCAB, scale=1.5)
+    drafter = DraftModelDrafter(model=noisy_copy(model, noise=0.5, seed=4), width=2, depth=3, adaptive=False, vocab=6)
+    accepted = check_speculative_sampling(LeanTarget(model), model, PROMPT, drafter, {"temperature": 0.8})
+    assert accepted > 100

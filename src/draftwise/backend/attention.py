@@ -168,6 +168,123 @@ def block_attention(
     return output.permute(1, 0, 2, 3).reshape(rows, kv_heads * group * head_dim)
 
 
+def single_row_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, min_rows: int = 1
+) -> torch.Tensor:
+    """:func:`block_attention` of one row at position ``length`` (plain one-row decoding), in fewer operations.
+
+    A lone row's tail is the block its own position falls in, so every block it sees lies in place in the cache and
+    all of them run through one product; each product has the shape :func:`block_attention` gives both its kinds of
+    block for one row (one head group of query rows, padded to ``min_rows``), the masked positions are the same and
+    the blocks are added in the same order, so the result is bitwise :func:`block_attention`'s.
+
+    Args:
+        query: ``(1, kv_heads, group, head_dim)``, scaled and rotated.
+        keys, values: the sequence's cache of one layer, ``(blocks, kv_heads, block, head_dim)``, with the row's own
+            key and value written at ``length``.
+        length: committed positions before the row.
+        min_rows: as for :func:`block_attention`.
+    """
+    _, kv_heads, group, head_dim = query.shape
+    block = keys.shape[2]
+    count = length // block + 1
+    rows = max(group, min_rows)
+    grouped = pad_rows(query[0], 1, rows)  # (kv, rows, dim)
+    scores = torch.matmul(grouped[None], keys[:count].transpose(2, 3)).float()  # (blocks, kv, rows, block)
+    scores[-1, :, :, length - (count - 1) * block + 1 :] = float("-inf")
+    maximum = pad_rows(scores[:, :, :group].amax(dim=(0, 3)), 1, rows)  # (kv, rows)
+    weights = torch.exp(scores - maximum[None, :, :, None])
+    sums = torch.matmul(weights.to(query.dtype), values[:count]).float()  # (blocks, kv, rows, dim)
+    # Blocks added in order, as block_attention adds them.
+    total = sums.cumsum(0)[-1, :, :group]
+    weight = weights.sum(-1).cumsum(0)[-1, :, :group]
+    return (total / weight[..., None]).to(query.dtype).reshape(1, kv_heads * group * head_dim)
+
+
+@dataclass(frozen=True)
+class RowsLayout:
+    """Where the blocks of several sequences' lone rows go, for :func:`single_rows_attention` (computed once per
+    forward, used by every layer).
+
+    Attributes:
+        lengths: each sequence's committed positions (its row sits at that position).
+        counts: blocks each row sees (``length // block + 1``).
+        sequence_of_block: ``(blocks,)`` the sequence each of the concatenated blocks belongs to.
+        slots: ``(blocks,)`` each block's place in a ``(sequences * most blocks)`` padded layout.
+        masked: ``(blocks, 1, 1, block)`` positions after each row (in its last block).
+    """
+
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+    sequence_of_block: torch.Tensor
+    slots: torch.Tensor
+    masked: torch.Tensor
+
+    @property
+    def most_blocks(self) -> int:
+        return max(self.counts)
+
+
+def rows_layout(lengths: Sequence[int], block: int, device: torch.device | str = "cpu") -> RowsLayout:
+    """The :class:`RowsLayout` of one row per sequence at positions ``lengths``."""
+    counts = [length // block + 1 for length in lengths]
+    most = max(counts)
+    sequence_of_block = np.repeat(np.arange(len(counts)), counts)
+    slots = np.concatenate([index * most + np.arange(count) for index, count in enumerate(counts)])
+    masked = np.zeros((sum(counts), block), dtype=bool)
+    ends = np.cumsum(counts) - 1
+    for end, length, count in zip(ends, lengths, counts):
+        masked[end, length - (count - 1) * block + 1 :] = True
+    return RowsLayout(
+        tuple(lengths),
+        tuple(counts),
+        torch.from_numpy(sequence_of_block).to(device),
+        torch.from_numpy(slots).to(device),
+        torch.from_numpy(masked).view(-1, 1, 1, block).to(device),
+    )
+
+
+def single_rows_attention(
+    query: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    layout: RowsLayout,
+    min_rows: int = 1,
+) -> torch.Tensor:
+    """:func:`single_row_attention` of one row of each of several sequences in one set of products, each row bitwise
+    its result alone: every block runs through a product of the same shape; a row's maximum is taken over its own
+    blocks; its block sums are added in order, followed only by exact zeros (the padding of shorter sequences).
+
+    Args:
+        query: ``(sequences, kv_heads, group, head_dim)``.
+        keys, values: each sequence's cache of this layer, ``(blocks, kv_heads, block, head_dim)``.
+        layout: see :func:`rows_layout`.
+        min_rows: as for :func:`block_attention`.
+
+    Returns:
+        ``(sequences, kv_heads * group * head_dim)``.
+    """
+    count, kv_heads, group, head_dim = query.shape
+    rows = max(group, min_rows)
+    most = layout.most_blocks
+    own_keys = torch.cat([own[:blocks] for own, blocks in zip(keys, layout.counts)])
+    own_values = torch.cat([own[:blocks] for own, blocks in zip(values, layout.counts)])
+    grouped = pad_rows(query, 2, rows).index_select(0, layout.sequence_of_block)  # (blocks, kv, rows, dim)
+    scores = torch.matmul(grouped, own_keys.transpose(2, 3)).float().masked_fill_(layout.masked, float("-inf"))
+    block_maximum = scores[:, :, :group].amax(-1)  # (blocks, kv, group)
+    maximum = block_maximum.new_full((count * most, kv_heads, group), float("-inf"))
+    maximum = maximum.index_copy_(0, layout.slots, block_maximum).view(count, most, kv_heads, group).amax(1)
+    maximum = pad_rows(maximum, 2, rows).index_select(0, layout.sequence_of_block)  # (blocks, kv, rows)
+    weights = torch.exp(scores - maximum[..., None])
+    sums = torch.matmul(weights.to(query.dtype), own_values).float()[:, :, :group]  # (blocks, kv, group, dim)
+    totals = weights.sum(-1)[:, :, :group]
+    padded_sums = sums.new_zeros(count * most, kv_heads, group, head_dim).index_copy_(0, layout.slots, sums)
+    padded_totals = totals.new_zeros(count * most, kv_heads, group).index_copy_(0, layout.slots, totals)
+    total = padded_sums.view(count, most, kv_heads, group, head_dim).cumsum(1)[:, -1]
+    weight = padded_totals.view(count, most, kv_heads, group).cumsum(1)[:, -1]
+    return (total / weight[..., None]).to(query.dtype).reshape(count, kv_heads * group * head_dim)
+
+
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Attention of a prompt over itself (the prefill, shared by plain and speculative decoding alike).
 

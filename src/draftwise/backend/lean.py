@@ -16,14 +16,23 @@ forward is what the tests compare against. What this forward adds:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedModelError
-from .attention import batch_block_attention, batch_layout, block_attention, causal_attention, tail_layout
+from .attention import (
+    batch_block_attention,
+    batch_layout,
+    block_attention,
+    causal_attention,
+    rows_layout,
+    single_row_attention,
+    single_rows_attention,
+    tail_layout,
+)
 from .cache import check_full_attention
 from .linear import Linear, packing_available
 from .rows import RowBlock
@@ -105,6 +114,12 @@ class LeanCache:
 def _row_bucket(rows: int) -> int:
     """Sequences whose row counts share a bucket (1, 2, 3-4, 5-8, ...) run their attention in one set of products."""
     return 1 << max(0, rows - 1).bit_length()
+
+
+def _bucket_members(sizes: Sequence[int]) -> list[list[int]]:
+    """Sequences (by index) grouped by :func:`_row_bucket` of their row counts, smallest bucket first."""
+    return [[index for index, size in enumerate(sizes) if _row_bucket(size) == bucket]
+            for bucket in sorted({_row_bucket(size) for size in sizes})]
 
 
 def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
@@ -328,9 +343,11 @@ class LeanTarget(Target):
             cache.values[index, slot_blocks, :, slot_offsets] = values[part]
         return hidden + layer.output(attend(index, queries, keys, values))
 
-    def _outputs(self, states: Sequence[torch.Tensor], hidden_states: bool) -> ForwardOutput:
-        """Logits of every sequence's rows from one product over all of them."""
-        logits = self.head(states[0] if len(states) == 1 else torch.cat(states))
+    def _outputs(
+        self, states: Sequence[torch.Tensor], hidden_states: bool, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> ForwardOutput:
+        """Logits of every sequence's rows from one product over all of them (by ``head`` when given)."""
+        logits = (self.head if head is None else head)(states[0] if len(states) == 1 else torch.cat(states))
         bounds = [0]
         for part in states:
             bounds.append(bounds[-1] + part.shape[0])
@@ -339,9 +356,44 @@ class LeanTarget(Target):
             list(states) if hidden_states else None,
         )
 
+    def _attention_group(
+        self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], members: Sequence[int], layout_of
+    ) -> tuple[torch.Tensor, Callable[[int, torch.Tensor], torch.Tensor]]:
+        """The flat rows of the sequences ``members`` (of one row-count bucket) and the function computing their
+        attention at a layer from their queries, as one set of products."""
+        sizes = [len(block.tokens) for block in blocks]
+        starts = [sum(sizes[:index]) for index in range(len(sizes))]
+        rows = torch.tensor([starts[index] + row for index in members for row in range(sizes[index])],
+                            device=self.device)
+        if all(sizes[index] == 1 for index in members):
+            plan = rows_layout([caches[index].length for index in members], self.block, self.device)
+
+            def compute(layer: int, queries: torch.Tensor) -> torch.Tensor:
+                return single_rows_attention(queries, [caches[index].keys[layer] for index in members],
+                                             [caches[index].values[layer] for index in members], plan,
+                                             self.attention_min_rows)
+
+            return rows, compute
+        together = batch_layout([layout_of(index) for index in members], [sizes[index] for index in members],
+                                self.block, self.kv_heads)
+        buffers = None
+        if together.shared_blocks:
+            size = (len(members), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
+            buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
+                       torch.zeros(size, dtype=self.dtype, device=self.device))
+
+        def compute(layer: int, queries: torch.Tensor) -> torch.Tensor:
+            return batch_block_attention(queries, [caches[index].keys[layer] for index in members],
+                                         [caches[index].values[layer] for index in members], together, buffers,
+                                         self.attention_min_rows)
+
+        return rows, compute
+
     def prefill(
-        self, caches: Sequence[LeanCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False
+        self, caches: Sequence[LeanCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ForwardOutput:
+        """See :meth:`Target.prefill`; ``head`` replaces the output head as in :meth:`forward`."""
         if any(cache.length for cache in caches):
             raise ValueError("prefill needs empty caches")
 
@@ -354,7 +406,7 @@ class LeanTarget(Target):
         for cache, prompt in zip(caches, prompts):
             states.append(self._run([cache], [prompt], [range(len(prompt))], attend)[0][-1:])
             cache.length = len(prompt)
-        return self._outputs(states, hidden_states)
+        return self._outputs(states, hidden_states, head)
 
     def forward(
         self,
@@ -364,25 +416,38 @@ class LeanTarget(Target):
         last_only: bool = False,
         hidden_states: bool = False,
         skip: LayerSkip | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ForwardOutput:
         """See :meth:`Target.forward`; ``skip`` runs the model with those sub-layers left out (a draft of itself:
-        its rows are never committed, see :mod:`draftwise.drafters.layer_skip`)."""
+        its rows are never committed, see :mod:`draftwise.drafters.layer_skip`); ``head`` maps the final hidden
+        states to logits instead of the model's output head (a draft head over part of the vocabulary, see
+        :class:`draftwise.drafters.draft_model.DraftHead`)."""
         groups = row_groups([len(block.tokens) for block in blocks], MAX_FORWARD_ROWS)
         if len(groups) > 1:
             outputs = [
                 self.forward([caches[index] for index in group], [blocks[index] for index in group],
-                             last_only=last_only, hidden_states=hidden_states, skip=skip)
+                             last_only=last_only, hidden_states=hidden_states, skip=skip, head=head)
                 for group in groups
             ]
             return ForwardOutput(
                 [logits for output in outputs for logits in output.logits],
                 [states for output in outputs for states in output.hidden_states] if hidden_states else None,
             )
-        layouts = [tail_layout(cache.length, block.parents, self.block, self.kv_heads, self.device)
-                   for cache, block in zip(caches, blocks)]
         shape = (self.kv_heads, self.group, self.head_dim)
-        if len(caches) == 1:
-            cache, layout = caches[0], layouts[0]
+
+        def layout_of(sequence: int) -> Any:
+            return tail_layout(caches[sequence].length, blocks[sequence].parents, self.block, self.kv_heads,
+                               self.device)
+
+        if len(caches) == 1 and len(blocks[0].tokens) == 1 and self.joint_attention:
+            # Plain one-row decoding (CPU plans: products there do not depend on how many blocks share them).
+            cache = caches[0]
+
+            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                return single_row_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index],
+                                            cache.length, self.attention_min_rows)
+        elif len(caches) == 1:
+            cache, layout = caches[0], layout_of(0)
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
@@ -390,6 +455,7 @@ class LeanTarget(Target):
         elif not self.joint_attention:
             # Each sequence's attention on its own: padding sequences to a shared block count lengthens the
             # reductions, which on GPUs changes their order (and a row's last bits) even though the padding is zero.
+            layouts = [layout_of(sequence) for sequence in range(len(caches))]
             bounds = [0]
             for block in blocks:
                 bounds.append(bounds[-1] + len(block.tokens))
@@ -404,41 +470,21 @@ class LeanTarget(Target):
         else:
             # Several sequences: one set of padded products per group of sequences with similar row counts (padding
             # a one-row sequence to another's 17-row tree would cost more than the products it saves), each row
-            # bitwise its own result.
-            sizes = [len(block.tokens) for block in blocks]
-            starts = [sum(sizes[:index]) for index in range(len(sizes))]
-            groups = []
-            for bucket in sorted({_row_bucket(size) for size in sizes}):
-                members = [index for index, size in enumerate(sizes) if _row_bucket(size) == bucket]
-                together = batch_layout([layouts[index] for index in members], [sizes[index] for index in members],
-                                        self.block, self.kv_heads)
-                buffers = None
-                if together.shared_blocks:
-                    size = (len(members), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
-                    buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
-                               torch.zeros(size, dtype=self.dtype, device=self.device))
-                rows = torch.tensor([starts[index] + row for index in members for row in range(sizes[index])],
-                                    device=self.device)
-                groups.append((members, together, buffers, rows))
+            # bitwise its own result; the sequences with a lone row (plain decoding) in products of their own.
+            groups = [self._attention_group(caches, blocks, members, layout_of)
+                      for members in _bucket_members([len(block.tokens) for block in blocks])]
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 queries = queries.view(-1, *shape)
                 if len(groups) == 1:
-                    members, together, buffers, _ = groups[0]
-                    return batch_block_attention(queries, [caches[member].keys[index] for member in members],
-                                                 [caches[member].values[index] for member in members], together,
-                                                 buffers, self.attention_min_rows)
+                    return groups[0][1](index, queries)
                 output = queries.new_empty(queries.shape[0], self.heads * self.head_dim)
-                for members, together, buffers, rows in groups:
-                    output.index_copy_(0, rows, batch_block_attention(
-                        queries.index_select(0, rows), [caches[member].keys[index] for member in members],
-                        [caches[member].values[index] for member in members], together, buffers,
-                        self.attention_min_rows,
-                    ))
+                for rows, compute in groups:
+                    output.index_copy_(0, rows, compute(index, queries.index_select(0, rows)))
                 return output
 
         states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend,
                            skip)
         if last_only:
             states = [part[-1:] for part in states]
-        return self._outputs(states, hidden_states)
+        return self._outputs(states, hidden_states, head)

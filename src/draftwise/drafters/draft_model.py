@@ -10,6 +10,11 @@ the ``width`` best-scoring nodes of the level before, and the engine keeps the g
 their verification (:func:`~draftwise.decoding.engine.size_trees`). ``width=1`` is a plain chain. A level is only
 drafted while its expected accepted tokens are worth more target time than the level's own forward costs.
 
+**Vocabulary.** A draft model's output head is a large part of its forward (a third of a 0.5B model with a 152k
+vocabulary is spent reading it). The draft scores only the ``vocab`` most frequent tokens (:class:`DraftHead`: the
+lowest ids, which byte-level BPE and sentencepiece vocabularies give to their most frequent tokens) and every token
+the context has held; that misses a rare token now and then, which costs a rejected draft, never a wrong output.
+
 **Sampling.** The proposal carries every row's ``q`` (the draft's softmax at the request's temperature), so the
 engine verifies by rejection sampling (chain) or recursive rejection without replacement (trees): the output has
 exactly the target's distribution. Siblings are numbered in the order they were drawn and scored so that any cut
@@ -25,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..backend.lean import LeanTarget
+from ..backend.linear import Linear
 from ..backend.rows import CACHE, RowBlock
 from ..backend.target import Target
 from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
@@ -57,6 +64,60 @@ def pick_children(q: torch.Tensor, count: int, greedy: bool, generator: torch.Ge
 def confidence_kind(probability: float) -> int:
     """The calibration bucket of a draft token's probability: ``floor(-log2 q)``, 0 (q > 1/2) to 10."""
     return min(10, int(-math.log2(max(probability, 1e-12))))
+
+
+class DraftHead:
+    """The draft model's output head over part of the vocabulary: the ``size`` lowest token ids, plus every token
+    it is shown with :meth:`cover` (the context's tokens, the end-of-sequence tokens).
+
+    Its logits are over those tokens only (column ``i`` is token :attr:`ids` ``[i]``); :meth:`expand` puts a
+    distribution over them back on the whole vocabulary (zero elsewhere), so a sampled draft's ``q`` is exactly the
+    distribution it was drawn from.
+
+    Args:
+        draft: the draft model (the lean forward: its head is replaced in the forward).
+        size: how many of the lowest ids are always scored.
+    """
+
+    def __init__(self, draft: LeanTarget, size: int) -> None:
+        output = draft.model.get_output_embeddings()
+        self.weight = output.weight.detach()
+        self.bias = None if output.bias is None else output.bias.detach()
+        self.vocab, self.size = self.weight.shape[0], size
+        bias = None if self.bias is None else self.bias[:size]
+        self.base = Linear(self.weight[:size], bias, draft.packed, draft.linear_min_rows)
+        self.extra: list[int] = []
+        self._extra_set: set[int] = set()
+        self._extra_weight = self.weight[:0]
+        self._extra_bias = None if self.bias is None else self.bias[:0]
+        self.ids = torch.arange(size, device=self.weight.device)
+
+    def covers(self, token: int) -> bool:
+        return token < self.size or token in self._extra_set
+
+    def cover(self, tokens: Sequence[int]) -> None:
+        """Score ``tokens`` from now on too."""
+        new = sorted({int(token) for token in tokens if token >= self.size} - self._extra_set)
+        new = [token for token in new if token < self.vocab]
+        if not new:
+            return
+        self.extra += new
+        self._extra_set.update(new)
+        index = torch.tensor(self.extra, device=self.weight.device)
+        self._extra_weight = self.weight.index_select(0, index)
+        self._extra_bias = None if self.bias is None else self.bias.index_select(0, index)
+        self.ids = torch.cat([torch.arange(self.size, device=index.device), index])
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.base(hidden)
+        if not self.extra:
+            return logits
+        return torch.cat([logits, torch.nn.functional.linear(hidden, self._extra_weight, self._extra_bias)], -1)
+
+    def expand(self, probabilities: torch.Tensor) -> torch.Tensor:
+        """Rows of probabilities over :attr:`ids` as rows over the whole vocabulary."""
+        full = probabilities.new_zeros(*probabilities.shape[:-1], self.vocab)
+        return full.index_copy_(-1, self.ids[: probabilities.shape[-1]], probabilities)
 
 
 class TreeGrowth:
@@ -180,11 +241,17 @@ class DraftModelDrafter(Drafter):
         adaptive: stop adding levels once the next one's expected accepted tokens are worth less target time than
             its own forward costs (``False``: always draft ``depth`` levels; the engine still keeps only the nodes
             that pay for their verification).
+        vocab: the draft scores this many of the most frequent tokens (the lowest ids) plus every token of the
+            context (:class:`DraftHead`); 0, or a vocabulary no bigger, scores all. Where the sequences' tokens fall
+            outside it more than one time in :attr:`MISS_LIMIT`, the whole vocabulary is scored from then on.
         backend: how the draft model runs (see :func:`draftwise.load_model`).
         cache_dir: where converted checkpoints are kept.
     """
 
     name = "draft"
+    #: One new token in this many outside the draft head's tokens (after :attr:`MISS_WINDOW` tokens) turns it off.
+    MISS_LIMIT = 8
+    MISS_WINDOW = 256
 
     def __init__(
         self,
@@ -192,6 +259,7 @@ class DraftModelDrafter(Drafter):
         width: int = 2,
         depth: int = 8,
         adaptive: bool = True,
+        vocab: int = 32768,
         backend: str = "auto",
         cache_dir: str | None = None,
     ) -> None:
@@ -199,16 +267,20 @@ class DraftModelDrafter(Drafter):
             raise ValueError("the draft method needs a draft model: draft:model=NAME (a preset, GGUF file or folder)")
         if width < 1 or depth < 1:
             raise ValueError(f"width and depth must be >= 1, got width={width}, depth={depth}")
+        if vocab < 0:
+            raise ValueError(f"vocab must be >= 0 (0: the whole vocabulary), got {vocab}")
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self._given = None if isinstance(model, str) else model
         self.width = int(width)
         self.depth = int(depth)
         self.adaptive = bool(adaptive)
+        self.vocab = int(vocab)
         self.backend = backend
         self.cache_dir = cache_dir
         # Shared by forks: the loaded draft model and what its forwards cost.
         self._shared: dict[str, Any] = {
-            "draft": None, "target": None, "clock": LevelClock(), "tracker": AcceptanceTracker(),
+            "draft": None, "target": None, "head": None, "clock": LevelClock(), "tracker": AcceptanceTracker(),
+            "seen": 0, "missed": 0,
         }
         self._own_sequence_state()
 
@@ -236,9 +308,18 @@ class DraftModelDrafter(Drafter):
                 draft = load_draft(self.model_name, setup.target, self.backend, self.cache_dir)
             self._shared["draft"] = draft
             self._shared["target"] = setup.target
+            self._shared["head"] = self._make_head(draft, setup.target)
         self._sampling = setup.sampling
         self._latency = setup.latency
         self._generator = setup.sampling.generator()
+
+    def _make_head(self, draft: Target, target: Target) -> DraftHead | None:
+        vocabulary = draft.model.get_output_embeddings().weight.shape[0]
+        if not isinstance(draft, LeanTarget) or not 0 < self.vocab < vocabulary:
+            return None
+        head = DraftHead(draft, self.vocab)
+        head.cover(end_of_sequence_ids(target))
+        return head
 
     def reset(self, prompt: Sequence[int]) -> None:
         self._cache = None
@@ -253,16 +334,41 @@ class DraftModelDrafter(Drafter):
         limit = min(len(self._cached), len(context) - 1)  # the last token is always fed, for its logits
         while shared < limit and self._cached[shared] == context[shared]:
             shared += 1
+        head = self._head(context, fresh=self._cache is None or shared == 0)
+        extra = {} if head is None else {"head": head}
         if self._cache is None or shared == 0:
             self._cache = draft.new_cache(len(context) + 2 * self.depth + 64)
-            logits = draft.prefill([self._cache], [list(context)]).logits[0][-1]
+            logits = draft.prefill([self._cache], [list(context)], **extra).logits[0][-1]
         else:
             draft.truncate(self._cache, shared)
             new = list(context[shared:])
-            logits = draft.forward([self._cache], [RowBlock.chain(new)], last_only=True).logits[0][-1]
+            logits = draft.forward([self._cache], [RowBlock.chain(new)], last_only=True, **extra).logits[0][-1]
             draft.commit(self._cache, range(len(new)))
         self._cached = list(context)
         return logits
+
+    def _head(self, context: Sequence[int], fresh: bool) -> DraftHead | None:
+        """The draft head, covering ``context``; counts the new tokens it did not cover yet and gives it up (the
+        whole vocabulary from then on) when they are too many."""
+        head = self._shared["head"]
+        if head is None:
+            return None
+        if not fresh:
+            new = context[len(self._cached) :] if len(context) > len(self._cached) else ()
+            shared = self._shared
+            shared["seen"] += len(new)
+            shared["missed"] += sum(1 for token in new if not head.covers(token))
+            if shared["seen"] >= self.MISS_WINDOW and shared["missed"] * self.MISS_LIMIT > shared["seen"]:
+                shared["head"] = None
+                return None
+        head.cover(context)
+        return head
+
+    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """``q`` over the whole vocabulary from draft logits (over the draft head's tokens when it has one)."""
+        q = draft_distribution(logits, self._sampling)
+        head = self._shared["head"]
+        return q if head is None or q.shape[-1] == head.vocab else head.expand(q)
 
     def sync_logits(self, context: Sequence[int]) -> torch.Tensor:
         """The draft's logits after ``context`` (public for tests: they must equal a fresh prefill's)."""
@@ -279,9 +385,8 @@ class DraftModelDrafter(Drafter):
         greedy = self._sampling.greedy
         growth = TreeGrowth(self._shared["tracker"])
         started = time.perf_counter()  # the step's drafting time, the synchronising forward included
-        frontier = growth.add_children(
-            ROOT, draft_distribution(self._sync(context), self._sampling), self.width, greedy, self._generator
-        )
+        frontier = growth.add_children(ROOT, self._distribution(self._sync(context)), self.width, greedy,
+                                       self._generator)
         committed = len(context)
         try:
             for _ in range(self.depth - 1):
@@ -295,7 +400,7 @@ class DraftModelDrafter(Drafter):
                 ):
                     break
                 level_started = time.perf_counter()
-                q_rows = draft_distribution(self._level(draft, growth, expand), self._sampling)
+                q_rows = self._distribution(self._level(draft, growth, expand))
                 clock.record(rows, time.perf_counter() - level_started)
                 frontier = []
                 for node, q in zip(expand, q_rows):
@@ -314,14 +419,28 @@ class DraftModelDrafter(Drafter):
         """The draft's logits at the nodes ``expand``, one row each. A chain is extended one committed row at a
         time (its earlier nodes were committed by earlier levels); a tree level runs the paths down to ``expand``
         in one tree-masked forward."""
+        head = self._shared["head"]
+        extra = {} if head is None else {"head": head}
         if self.width == 1:
-            logits = draft.forward([self._cache], [RowBlock.chain([growth.tokens[expand[0]]])]).logits[0]
+            logits = draft.forward([self._cache], [RowBlock.chain([growth.tokens[expand[0]]])], **extra).logits[0]
             draft.commit(self._cache, [0])
             return logits
         nodes, parents = growth.path_rows(expand)
-        logits = draft.forward([self._cache], [RowBlock(tuple(growth.tokens[node] for node in nodes), tuple(parents))]).logits[0]
+        block = RowBlock(tuple(growth.tokens[node] for node in nodes), tuple(parents))
+        logits = draft.forward([self._cache], [block], **extra).logits[0]
         row_of = {node: row for row, node in enumerate(nodes)}
         return logits[[row_of[node] for node in expand]]
+
+
+def end_of_sequence_ids(target: Target) -> list[int]:
+    """The token ids that end a sequence of ``target`` (its generation config's and its tokenizer's)."""
+    ids: list[int] = []
+    config_ids = getattr(target.generation_config, "eos_token_id", None)
+    ids += config_ids if isinstance(config_ids, list) else [] if config_ids is None else [config_ids]
+    tokenizer_id = getattr(target.tokenizer, "eos_token_id", None)
+    if tokenizer_id is not None:
+        ids.append(tokenizer_id)
+    return [int(token) for token in ids]
 
 
 def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str | None = None) -> Target:

@@ -38,8 +38,9 @@ def test_greedy_ids_equal_ar_with_chains_and_trees(target, width):
     assert accepted > 0 and (width == 1 or drafted > accepted)
 
 
-def test_batched_sequences_get_their_batch_1_ids(target):
-    drafter = DraftModelDrafter(model=noisy_copy(_model_of(target), noise=0.05), width=2, depth=4, adaptive=False)
+@pytest.mark.parametrize("width", [1, 2])
+def test_batched_sequences_get_their_batch_1_ids(target, width):
+    drafter = DraftModelDrafter(model=noisy_copy(_model_of(target), noise=0.05), width=width, depth=4, adaptive=False)
     rng = random.Random(5)
     batch = [repetitive_prompt(rng, low=5, high=60) for _ in range(5)]
     alone = [draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
@@ -48,12 +49,14 @@ def test_batched_sequences_get_their_batch_1_ids(target):
     assert [result.token_ids for result in results] == alone
 
 
-def test_draft_cache_equals_a_fresh_prefill_after_any_accept_pattern(tmp_path):
+@pytest.mark.parametrize("width", [1, 3])
+def test_draft_cache_equals_a_fresh_prefill_after_any_accept_pattern(width):
     """Contexts that grow by accepted drafts, by tokens the draft never proposed, and that change behind the cache
-    (a new request sharing a prefix): the draft's logits always equal those of a fresh prefill."""
+    (a new request sharing a prefix): the draft's logits always equal those of a fresh prefill (chains keep their
+    drafted rows in the draft cache, trees roll them back)."""
     target = LeanTarget(make_tiny_model("llama", seed=0))
     draft_model = noisy_copy(target.model, noise=0.1)
-    drafter = DraftModelDrafter(model=draft_model, width=3, depth=4, adaptive=False)
+    drafter = DraftModelDrafter(model=draft_model, width=width, depth=4, adaptive=False)
     drafter.attach(_setup(target))
     rng = random.Random(0)
     context = repetitive_prompt(rng, low=20, high=40)

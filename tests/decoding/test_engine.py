@@ -130,3 +130,21 @@ def test_subtrees_keep_their_draft_distributions():
     assert torch.equal(best.draft_probs, probabilities[[0, 1, 3]])
     cut = tree.cut(max_depth=1)
     assert torch.equal(cut.draft_probs, probabilities[[0, 1, 3]])
+
+
+def test_unscored_drafts_are_priced_from_the_acceptance_so_far():
+    """A batch scores a drafter's unscored tree from the sequence's acceptance by depth (Laplace-smoothed), shared
+    evenly among siblings, never growing along a path."""
+    import pytest
+
+    from draftwise.decoding.engine import scored_by_acceptance
+    from draftwise.decoding.stats import GenerationStats
+    from draftwise.decoding.tree import DraftTree
+
+    stats = GenerationStats()
+    stats.record_step(emitted=2, drafted=2, accepted=1, attempted=2)  # depth 1 accepted, depth 2 rejected
+    tree = DraftTree((5, 6, 7), (-1, 0, 0))
+    scored = scored_by_acceptance(tree, stats)
+    assert scored.tokens == tree.tokens and scored.parents == tree.parents
+    assert scored.scores == pytest.approx((2 / 3, 2 / 3 * 1 / 3 / 2, 2 / 3 * 1 / 3 / 2))
+    assert scored_by_acceptance(DraftTree(), stats) == DraftTree()

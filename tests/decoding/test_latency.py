@@ -91,3 +91,22 @@ def test_batch_sizes_are_learned_apart():
     assert latency.cost(24, sequences=16) > 0.080  # not capped by the cheap one-sequence 17-row forward
     assert latency.cost(16) < 0.012
     assert latency.cost(12, sequences=12) == pytest.approx(latency.cost(12, sequences=16))  # nearest batch size measured
+
+
+def test_a_batch_with_drafts_is_priced_from_forwards_with_drafts():
+    """Plain decoding of four sequences (four rows) runs a leaner path than any forward verifying drafts: a
+    five-row forward is estimated from the measured six-row one, not from the plain step."""
+    latency = LatencyModel(prior={1: 1.0, 64: 1.0})
+    latency.record(4, 1.0, sequences=4)
+    assert latency.cost(5, 4) == 1.0  # nothing with drafts measured yet
+    latency.record(6, 2.0, sequences=4)
+    assert latency.cost(5, 4) == 2.0
+    assert latency.cost(4, 4) == 1.0
+
+
+def test_plain_batch_steps_do_not_pull_down_the_price_of_steps_with_drafts():
+    latency = LatencyModel(prior={1: 1.0, 64: 1.0})
+    latency.record(6, 2.0, sequences=4)
+    for _ in range(20):
+        latency.record(4, 1.0, sequences=4)
+    assert latency.cost(6, 4) == 2.0

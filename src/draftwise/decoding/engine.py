@@ -25,7 +25,7 @@ from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
 from .sampling import Draws, SamplingParams, transform_logits
 from .stats import GenerationStats
-from .tree import DraftTree
+from .tree import ROOT, DraftTree
 from .verify import Verification, greedy_choice, verify_greedy, verify_probabilistic, verify_sampled
 
 #: Default upper bound on draft nodes per step. On a 2-core CPU a forward of 16 rows costs about 2x one row.
@@ -148,6 +148,25 @@ def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftT
     for _, _, index, _ in ranked[:best_count]:
         kept[index] += 1
     return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)]
+
+
+def scored_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
+    """``tree`` with scores estimated from the sequence's acceptance so far, for drafters that give none: a node's
+    score is its parent's times the rate at which drafts at its depth were accepted once reached (Laplace-smoothed),
+    shared evenly among its siblings; so a batch can price such drafts against its forward's cost like scored ones."""
+    if tree.scores is not None or not len(tree):
+        return tree
+    children = [0] * (len(tree) + 1)  # by parent row: the root is row 0
+    for parent in tree.parents:
+        children[parent + 1] += 1
+    scores: list[float] = []
+    for node, parent in enumerate(tree.parents):
+        depth = tree.depths[node] - 1
+        attempts = stats.attempts_per_position[depth] if depth < len(stats.attempts_per_position) else 0
+        accepts = stats.accepts_per_position[depth] if depth < len(stats.accepts_per_position) else 0
+        base = 1.0 if parent == ROOT else scores[parent]
+        scores.append(base * (accepts + 1) / (attempts + 2) / children[parent + 1])
+    return DraftTree(tree.tokens, tree.parents, tuple(scores), tree.draft_probs)
 
 
 def verify(
@@ -318,6 +337,8 @@ class Decoder:
             sequence.stats.draft_time_s += elapsed
             draft_seconds += elapsed
         offered = sum(len(tree) for tree in trees)
+        if len(active) > 1:  # a batch prices every draft (alone, a drafter's unscored tree is verified whole)
+            trees = [scored_by_acceptance(tree, sequence.stats) for tree, sequence in zip(trees, active)]
         trees = size_trees(trees, self.latency)
         if offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
             self._judge_drafting(trees, draft_seconds)

@@ -52,6 +52,8 @@ class LatencyModel:
         previous = measured.get(rows)
         measured[rows] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
         for other, estimate in measured.items():
+            if sequences > 1 and (other > sequences) != (rows > sequences):
+                continue  # a batch's plain step and its steps with drafts take different paths (see _estimate)
             expected = seconds * self._prior(other) / self._prior(rows)
             if estimate > self.stale_factor * expected:
                 measured[other] = estimate + self.smoothing * (expected - estimate)
@@ -92,6 +94,11 @@ class LatencyModel:
             return self._estimate(rows, nearest)
         if rows in measured:
             return measured[rows]
-        # Scale the prior by the measured row count nearest to ``rows``.
-        nearest = min(measured, key=lambda count: (abs(count - rows), count))
+        # Scale the prior by the measured row count nearest to ``rows``; of several sequences, a forward with drafts
+        # (more rows than sequences) from another such forward where one was measured: plain decoding of a batch
+        # takes a leaner path, and its time says little about a forward that verifies drafts.
+        candidates = measured
+        if sequences > 1 and rows > sequences:
+            candidates = [count for count in measured if count > sequences] or list(measured)
+        nearest = min(candidates, key=lambda count: (abs(count - rows), count))
         return measured[nearest] * self._prior(rows) / self._prior(nearest)

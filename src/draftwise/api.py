@@ -6,7 +6,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
 
 from .backend.target import Target, as_target
 from .decoding.batch import DEFAULT_MAX_BATCH, Scheduler
@@ -16,6 +15,7 @@ from .decoding.sampling import SamplingParams
 from .decoding.stats import GenerationStats
 from .drafters import Drafter, make_drafter
 from .errors import InvalidRequestError, UnsupportedOptionError
+from .models import eos_token_ids
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -93,19 +93,6 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, chat_template: bool | 
     if isinstance(encoded, Mapping):
         encoded = encoded["input_ids"]
     return [int(token) for token in encoded]
-
-
-def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """Every token id that ends generation: the generation config's EOS ids and the tokenizer's EOS."""
-    found: list[int] = []
-    generation_config = getattr(model, "generation_config", None)
-    for source in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if source is None:
-            continue
-        for token in source if isinstance(source, (list, tuple)) else [source]:
-            if int(token) not in found:
-                found.append(int(token))
-    return found
 
 
 class StopSequences:

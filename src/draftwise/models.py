@@ -322,6 +322,19 @@ def make_target(
     return target
 
 
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every token id that ends generation: the generation config's EOS ids and the tokenizer's EOS."""
+    found: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        for token in source if isinstance(source, (list, tuple)) else [source]:
+            if int(token) not in found:
+                found.append(int(token))
+    return found
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str = "auto",

@@ -150,3 +150,15 @@ def test_sampling_with_a_draft_head_over_part_of_the_vocabulary_keeps_the_target
     drafter = DraftModelDrafter(model=noisy_copy(model, noise=0.5, seed=4), width=2, depth=3, adaptive=False, vocab=6)
     accepted = check_speculative_sampling(LeanTarget(model), model, PROMPT, drafter, {"temperature": 0.8})
     assert accepted > 100
+
+
+def test_a_draft_head_missing_too_many_tokens_gives_way_to_the_whole_vocabulary():
+    """Chains keep their rows in the draft cache, so the tokens counted are those fed to the draft since its last
+    synchronisation: a 4-token head on a 96-token model misses most of them and is given up, ids unchanged."""
+    target = LeanTarget(make_tiny_model("llama", seed=0))
+    drafter = DraftModelDrafter(model=noisy_copy(target.model, noise=0.05), width=1, depth=4, adaptive=False, vocab=4)
+    drafter.MISS_WINDOW = 16
+    prompt = repetitive_prompt(random.Random(3), low=10, high=30)
+    expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+    assert draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40).token_ids == expected
+    assert drafter._shared["seen"] >= 16 and drafter._shared["head"] is None

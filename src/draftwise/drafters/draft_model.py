@@ -40,7 +40,7 @@ from ..decoding.latency import LatencyModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.tree import ROOT, DraftTree
 from ..errors import UnsupportedModelError
-from ..models import load_model, make_target
+from ..models import eos_token_ids, load_model, make_target
 from .stores.acceptance import AcceptanceTracker
 
 
@@ -240,7 +240,7 @@ class DraftModelDrafter(Drafter):
         width: children per expanded node, and nodes expanded per level (EAGLE-2's top-k); 1 (the default) drafts a
             chain, whose rows stay in the draft cache (the next step feeds only what the target added). Trees pay
             where a many-row draft forward costs about what a one-row one does (GPUs); on a 2-core CPU, chains
-            measured 1.45-1.55x plain decoding against 1.34-1.42x for width 2 (Qwen2.5-Coder 1.5B/0.5B, bf16).
+            measured 1.41-1.55x plain decoding against 1.27-1.42x for width 2 (Qwen2.5-Coder 1.5B/0.5B, bf16).
         depth: most levels below the root.
         adaptive: stop adding levels once the next one's expected accepted tokens are worth less target time than
             its own forward costs (``False``: always draft ``depth`` levels; the engine still keeps only the nodes
@@ -322,7 +322,7 @@ class DraftModelDrafter(Drafter):
         if not isinstance(draft, LeanTarget) or not 0 < self.vocab < vocabulary:
             return None
         head = DraftHead(draft, self.vocab)
-        head.cover(end_of_sequence_ids(target))
+        head.cover(eos_token_ids(target.model, target.tokenizer))
         return head
 
     def reset(self, prompt: Sequence[int]) -> None:
@@ -338,33 +338,33 @@ class DraftModelDrafter(Drafter):
         limit = min(len(self._cached), len(context) - 1)  # the last token is always fed, for its logits
         while shared < limit and self._cached[shared] == context[shared]:
             shared += 1
-        head = self._head(context, fresh=self._cache is None or shared == 0)
-        extra = {} if head is None else {"head": head}
-        if self._cache is None or shared == 0:
+        fresh = self._cache is None or shared == 0
+        new = list(context if fresh else context[shared:])
+        head = self._head(context, () if fresh else new)
+        if fresh:
             self._cache = draft.new_cache(len(context) + 2 * self.depth + 64)
-            logits = draft.prefill([self._cache], [list(context)], **extra).logits[0][-1]
+            logits = draft.prefill([self._cache], [new], **_head_option(head)).logits[0][-1]
         else:
             draft.truncate(self._cache, shared)
-            new = list(context[shared:])
-            logits = draft.forward([self._cache], [RowBlock.chain(new)], last_only=True, **extra).logits[0][-1]
+            logits = draft.forward([self._cache], [RowBlock.chain(new)], last_only=True,
+                                   **_head_option(head)).logits[0][-1]
             draft.commit(self._cache, range(len(new)))
         self._cached = list(context)
         return logits
 
-    def _head(self, context: Sequence[int], fresh: bool) -> DraftHead | None:
-        """The draft head, covering ``context``; counts the new tokens it did not cover yet and gives it up (the
-        whole vocabulary from then on) when they are too many."""
+    def _head(self, context: Sequence[int], fed: Sequence[int]) -> DraftHead | None:
+        """The draft head, covering ``context``; counts the tokens ``fed`` to the draft since its last
+        synchronisation that it did not cover, and gives it up (the whole vocabulary from then on) when they are
+        too many."""
         head = self._shared["head"]
         if head is None:
             return None
-        if not fresh:
-            new = context[len(self._cached) :] if len(context) > len(self._cached) else ()
-            shared = self._shared
-            shared["seen"] += len(new)
-            shared["missed"] += sum(1 for token in new if not head.covers(token))
-            if shared["seen"] >= self.MISS_WINDOW and shared["missed"] * self.MISS_LIMIT > shared["seen"]:
-                shared["head"] = None
-                return None
+        shared = self._shared
+        shared["seen"] += len(fed)
+        shared["missed"] += sum(1 for token in fed if not head.covers(token))
+        if shared["seen"] >= self.MISS_WINDOW and shared["missed"] * self.MISS_LIMIT > shared["seen"]:
+            shared["head"] = None
+            return None
         head.cover(context)
         return head
 
@@ -432,8 +432,7 @@ class DraftModelDrafter(Drafter):
         """The draft's logits at the nodes ``expand``, one row each. A chain is extended one committed row at a
         time (its earlier nodes were committed by earlier levels); a tree level runs the paths down to ``expand``
         in one tree-masked forward."""
-        head = self._shared["head"]
-        extra = {} if head is None else {"head": head}
+        extra = _head_option(self._shared["head"])
         if self.width == 1:
             logits = draft.forward([self._cache], [RowBlock.chain([growth.tokens[expand[0]]])], **extra).logits[0]
             draft.commit(self._cache, [0])
@@ -445,15 +444,9 @@ class DraftModelDrafter(Drafter):
         return logits[[row_of[node] for node in expand]]
 
 
-def end_of_sequence_ids(target: Target) -> list[int]:
-    """The token ids that end a sequence of ``target`` (its generation config's and its tokenizer's)."""
-    ids: list[int] = []
-    config_ids = getattr(target.generation_config, "eos_token_id", None)
-    ids += config_ids if isinstance(config_ids, list) else [] if config_ids is None else [config_ids]
-    tokenizer_id = getattr(target.tokenizer, "eos_token_id", None)
-    if tokenizer_id is not None:
-        ids.append(tokenizer_id)
-    return [int(token) for token in ids]
+def _head_option(head: DraftHead | None) -> dict[str, Any]:
+    """The forward's keyword for a draft head (none without one: only the lean forward takes it)."""
+    return {} if head is None else {"head": head}
 
 
 def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str | None = None) -> Target:

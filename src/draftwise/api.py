@@ -6,7 +6,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-
 from .backend.target import Target, as_target
 from .decoding.batch import DEFAULT_MAX_BATCH, Scheduler
 from .decoding.engine import DEFAULT_BUDGET, Decoder, FinishReason, SequenceState

@@ -207,14 +207,12 @@ class RowsLayout:
     forward, used by every layer).
 
     Attributes:
-        lengths: each sequence's committed positions (its row sits at that position).
         counts: blocks each row sees (``length // block + 1``).
         sequence_of_block: ``(blocks,)`` the sequence each of the concatenated blocks belongs to.
         slots: ``(blocks,)`` each block's place in a ``(sequences * most blocks)`` padded layout.
         masked: ``(blocks, 1, 1, block)`` positions after each row (in its last block).
     """
 
-    lengths: tuple[int, ...]
     counts: tuple[int, ...]
     sequence_of_block: torch.Tensor
     slots: torch.Tensor
@@ -236,7 +234,6 @@ def rows_layout(lengths: Sequence[int], block: int, device: torch.device | str =
     for end, length, count in zip(ends, lengths, counts):
         masked[end, length - (count - 1) * block + 1 :] = True
     return RowsLayout(
-        tuple(lengths),
         tuple(counts),
         torch.from_numpy(sequence_of_block).to(device),
         torch.from_numpy(slots).to(device),

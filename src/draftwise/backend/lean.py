@@ -15,6 +15,7 @@ forward is what the tests compare against. What this forward adds:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -357,12 +358,12 @@ class LeanTarget(Target):
         )
 
     def _attention_group(
-        self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], members: Sequence[int], layout_of
+        self, caches: Sequence[LeanCache], sizes: Sequence[int], starts: Sequence[int], members: Sequence[int],
+        layout_of: Callable[[int], Any],
     ) -> tuple[torch.Tensor, Callable[[int, torch.Tensor], torch.Tensor]]:
-        """The flat rows of the sequences ``members`` (of one row-count bucket) and the function computing their
-        attention at a layer from their queries, as one set of products."""
-        sizes = [len(block.tokens) for block in blocks]
-        starts = [sum(sizes[:index]) for index in range(len(sizes))]
+        """The flat rows of the sequences ``members`` (of one row-count bucket; ``sizes`` and ``starts``: every
+        sequence's row count and first flat row) and the function computing their attention at a layer from their
+        queries, as one set of products."""
         rows = torch.tensor([starts[index] + row for index in members for row in range(sizes[index])],
                             device=self.device)
         if all(sizes[index] == 1 for index in members):
@@ -471,8 +472,10 @@ class LeanTarget(Target):
             # Several sequences: one set of padded products per group of sequences with similar row counts (padding
             # a one-row sequence to another's 17-row tree would cost more than the products it saves), each row
             # bitwise its own result; the sequences with a lone row (plain decoding) in products of their own.
-            groups = [self._attention_group(caches, blocks, members, layout_of)
-                      for members in _bucket_members([len(block.tokens) for block in blocks])]
+            sizes = [len(block.tokens) for block in blocks]
+            starts = list(itertools.accumulate(sizes, initial=0))
+            groups = [self._attention_group(caches, sizes, starts, members, layout_of)
+                      for members in _bucket_members(sizes)]
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 queries = queries.view(-1, *shape)

@@ -52,7 +52,7 @@ class LatencyModel:
         previous = measured.get(rows)
         measured[rows] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
         for other, estimate in measured.items():
-            if sequences > 1 and (other > sequences) != (rows > sequences):
+            if _with_drafts(other, sequences) != _with_drafts(rows, sequences):
                 continue  # a batch's plain step and its steps with drafts take different paths (see _estimate)
             expected = seconds * self._prior(other) / self._prior(rows)
             if estimate > self.stale_factor * expected:
@@ -98,7 +98,13 @@ class LatencyModel:
         # (more rows than sequences) from another such forward where one was measured: plain decoding of a batch
         # takes a leaner path, and its time says little about a forward that verifies drafts.
         candidates = measured
-        if sequences > 1 and rows > sequences:
-            candidates = [count for count in measured if count > sequences] or list(measured)
+        if _with_drafts(rows, sequences):
+            candidates = [count for count in measured if _with_drafts(count, sequences)] or list(measured)
         nearest = min(candidates, key=lambda count: (abs(count - rows), count))
         return measured[nearest] * self._prior(rows) / self._prior(nearest)
+
+
+def _with_drafts(rows: int, sequences: int) -> bool:
+    """Whether a forward of ``rows`` rows over several ``sequences`` verifies drafts (a batch's plain step has one
+    row per sequence and takes a leaner path)."""
+    return sequences > 1 and rows > sequences

@@ -274,9 +274,9 @@ def test_lone_row_attention_is_block_attention_bitwise(dtype, min_rows):
     of products) give exactly block_attention's bits, at lengths on and around block boundaries."""
     from draftwise.backend.attention import (
         block_attention,
+        rows_attention,
         rows_layout,
         single_row_attention,
-        single_rows_attention,
         tail_layout,
     )
 
@@ -294,5 +294,50 @@ def test_lone_row_attention_is_block_attention_bitwise(dtype, min_rows):
     for index, length in enumerate(lengths):
         alone = single_row_attention(query[index : index + 1], keys[index], values[index], length, min_rows)
         assert torch.equal(alone, expected[index]), length
-    together = single_rows_attention(query, keys, values, rows_layout(lengths, BLOCK), min_rows)
+    layout = rows_layout(lengths, [1] * len(lengths), BLOCK, group, min_rows)
+    assert torch.equal(rows_attention(query, keys, values, layout), torch.cat(expected))
+
+
+def _invariant_attention_rows(dtype: torch.dtype, head_dim: int, at_least: int) -> int:
+    """The row count this machine's attention products of these shapes are invariant from (as a row plan measures
+    it), at least ``at_least``."""
+    from draftwise.backend.invariance import min_invariant_rows
+
+    generator = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(3, 200, head_dim, generator=generator), torch.randn(3, head_dim, BLOCK, generator=generator)
+    weights, values = torch.rand(3, 200, BLOCK, generator=generator), torch.randn(3, BLOCK, head_dim, generator=generator)
+    pairs = [(a.to(dtype), b.to(dtype)) for a, b in ((queries, keys), (weights, values))]
+    found = [min_invariant_rows(lambda rows, a=a, b=b: torch.bmm(a[:, :rows], b).transpose(0, 1), 200) for a, b in pairs]
+    assert None not in found
+    return max(at_least, *found)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("min_rows", [1, 4])
+def test_chains_of_several_sequences_in_one_set_of_products_are_block_attention_bitwise(dtype, min_rows):
+    """Several sequences' chains of different lengths (lone rows among them), at ragged lengths on and around block
+    boundaries, in one set of products (and each sequence alone in it): every row exactly block_attention's bits."""
+    from draftwise.backend.attention import block_attention, rows_attention, rows_layout, tail_layout
+    from draftwise.backend.rows import RowBlock
+
+    generator = torch.Generator().manual_seed(1)
+    kv_heads, group, head_dim, blocks = 2, 3, 16, 8
+    min_rows = _invariant_attention_rows(dtype, head_dim, min_rows)
+    lengths = [0, 5, BLOCK - 3, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 3 * BLOCK + 30, 4 * BLOCK - 9]
+    sizes = [7, 1, 5, 4, 9, 2, 1, 12]
+    keys = [torch.randn(blocks, kv_heads, BLOCK, head_dim, generator=generator).to(dtype) for _ in lengths]
+    values = [torch.randn(blocks, kv_heads, BLOCK, head_dim, generator=generator).to(dtype) for _ in lengths]
+    query = torch.randn(sum(sizes), kv_heads, group, head_dim, generator=generator).to(dtype)
+    bounds = [sum(sizes[:index]) for index in range(len(sizes) + 1)]
+    expected = []
+    for index, (length, size) in enumerate(zip(lengths, sizes)):
+        part = query[bounds[index] : bounds[index + 1]]
+        chain = RowBlock.chain(range(size)).parents
+        reference = block_attention(part, keys[index], values[index], tail_layout(length, chain, BLOCK, kv_heads),
+                                    min_rows)
+        alone = rows_attention(part, keys[index : index + 1], values[index : index + 1],
+                               rows_layout([length], [size], BLOCK, group, min_rows))
+        assert torch.equal(alone, reference), (length, size)
+        expected.append(reference)
+    together = rows_attention(query, keys, values, rows_layout(lengths, sizes, BLOCK, group, min_rows))
     assert torch.equal(together, torch.cat(expected))

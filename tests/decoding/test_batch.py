@@ -9,7 +9,7 @@ import pytest
 from tiny import ChatCharTokenizer, drafter_for, repetitive_prompt
 
 import draftwise
-from draftwise.backend.target import Target
+from draftwise.backend.target import Target, as_target
 from draftwise.decoding.batch import Scheduler
 from draftwise.decoding.drafter import NoDrafter
 from draftwise.decoding.engine import Decoder, FinishReason
@@ -140,3 +140,25 @@ def test_batch_inputs_are_checked(tiny_llama):
         draftwise.generate(tiny_llama, ChatCharTokenizer(), ["a", 3], max_new_tokens=4)
     with pytest.raises(InvalidRequestError, match="max_batch"):
         draftwise.generate(tiny_llama, None, prompt_ids=[[1, 2], [3]], max_new_tokens=4, max_batch=0)
+
+
+def test_a_batch_on_a_target_with_lean_chains_verifies_chains(target, monkeypatch):
+    """Where chains take the leaner path in a batch (the lean forward on a CPU), a batch's drafts are cut to their
+    best path; elsewhere trees stay; the ids are the same either way."""
+    batch = prompts(4, seed=21)
+    alone = [draftwise.generate(target, None, prompt_ids=prompt, method="pld", max_new_tokens=24).token_ids
+             for prompt in batch]
+    model_target = as_target(target)
+    shapes = []
+    forward = type(model_target).forward
+
+    def spy(self, caches, blocks, **options):
+        if len(blocks) > 1:
+            shapes.extend(block.parents == tuple(range(-1, len(block) - 1)) for block in blocks)
+        return forward(self, caches, blocks, **options)
+
+    monkeypatch.setattr(type(model_target), "forward", spy)
+    together = draftwise.generate(model_target, None, prompt_ids=batch, method="pld:max_matches=4", max_new_tokens=24,
+                                  max_batch=4)
+    assert [result.token_ids for result in together] == alone
+    assert shapes and (all(shapes) if model_target.batch_chains else True)

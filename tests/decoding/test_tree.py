@@ -285,6 +285,25 @@ def test_best_of_scored_tree_is_parent_closed(scored, budget, count):
     assert kept <= set(all_token_paths(tree))
 
 
+def test_best_path_follows_the_best_child_at_every_level():
+    tree = DraftTree((1, 2, 3, 4, 5), (-1, 0, -1, 0, 3), scores=(0.6, 0.2, 0.4, 0.3, 0.1))
+    best = tree.best_path()
+    assert best.tokens == (1, 4, 5) and best.parents == (-1, 0, 1) and best.scores == (0.6, 0.3, 0.1)
+    assert DraftTree.from_paths([[1, 2], [3]]).best_path().tokens == (1, 2)
+    chain = DraftTree.chain([7, 8])
+    assert chain.best_path() is chain and len(DraftTree().best_path()) == 0
+
+
+@SETTINGS
+@given(scored_paths(), st.integers(0, 25))
+def test_best_path_is_a_chain_of_the_tree(scored, budget):
+    tree = DraftTree.from_scored_paths(scored, budget=budget)
+    best = tree.best_path()
+    assert_well_formed(best)
+    assert best.parents == tuple(range(-1, len(best) - 1))
+    assert len(tree) == 0 or set(all_token_paths(best)) <= set(all_token_paths(tree)) and len(best) >= 1
+
+
 def test_best_with_non_monotone_scores_is_rejected_or_valid():
     try:
         tree = DraftTree((1, 2), (-1, 0), scores=(0.1, 0.9))

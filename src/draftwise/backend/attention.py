@@ -203,17 +203,30 @@ def single_row_attention(
 
 @dataclass(frozen=True)
 class RowsLayout:
-    """Where the blocks of several sequences' lone rows go, for :func:`single_rows_attention` (computed once per
-    forward, used by every layer).
+    """Where the key blocks of several sequences' chains of rows come from, for :func:`rows_attention` (computed
+    once per forward, used by every layer).
+
+    A chain's rows (each follows the one before it: plain decoding's lone row, a draft chain) are written at their
+    own positions, so every block a row sees lies in place in its sequence's cache; the rows of a sequence differ
+    only in which positions they see. Each sequence's blocks, up to the last one its deepest row sees, are
+    concatenated over the sequences.
 
     Attributes:
-        counts: blocks each row sees (``length // block + 1``).
-        sequence_of_block: ``(blocks,)`` the sequence each of the concatenated blocks belongs to.
+        counts: blocks of each sequence.
+        rows: query rows of every product: the longest chain times the head group, at least ``min_rows``.
+        chain_rows: the longest chain (each sequence's rows are padded to it).
+        query_index: ``(sequences * chain_rows,)`` flat row behind each padded row (``None``: one row each).
+        output_index: ``(flat rows,)`` padded row of each flat row (``None``: one row each).
+        sequence_of_block: ``(blocks,)`` the sequence of each concatenated block.
         slots: ``(blocks,)`` each block's place in a ``(sequences * most blocks)`` padded layout.
-        masked: ``(blocks, 1, 1, block)`` positions after each row (in its last block).
+        masked: ``(blocks, 1, rows, block)`` positions each query row must not see.
     """
 
     counts: tuple[int, ...]
+    rows: int
+    chain_rows: int
+    query_index: torch.Tensor | None
+    output_index: torch.Tensor | None
     sequence_of_block: torch.Tensor
     slots: torch.Tensor
     masked: torch.Tensor
@@ -223,63 +236,112 @@ class RowsLayout:
         return max(self.counts)
 
 
-def rows_layout(lengths: Sequence[int], block: int, device: torch.device | str = "cpu") -> RowsLayout:
-    """The :class:`RowsLayout` of one row per sequence at positions ``lengths``."""
-    counts = [length // block + 1 for length in lengths]
+def rows_layout(
+    lengths: Sequence[int],
+    sizes: Sequence[int],
+    block: int,
+    group: int,
+    min_rows: int = 1,
+    device: torch.device | str = "cpu",
+) -> RowsLayout:
+    """The :class:`RowsLayout` of chains of ``sizes[i]`` rows written at positions ``lengths[i], lengths[i] + 1,
+    ...``, for products of ``group`` query rows per row."""
+    chain_rows = max(sizes)
+    rows = max(chain_rows * group, min_rows)
+    counts = [(length + size - 1) // block + 1 for length, size in zip(lengths, sizes)]
+    masks = []
+    for length, size, count in zip(lengths, sizes, counts):
+        # Row r sees every position up to its own, length + r; padding rows see position 0, so their sums stay finite.
+        seen = np.arange(count * block)[None] <= length + np.arange(size)[:, None]
+        visible = np.zeros((count, rows, block), dtype=bool)
+        visible[:, : size * group] = np.repeat(seen.reshape(size, count, block).transpose(1, 0, 2), group, axis=1)
+        visible[0, size * group :, 0] = True
+        masks.append(~visible)
     most = max(counts)
-    sequence_of_block = np.repeat(np.arange(len(counts)), counts)
-    slots = np.concatenate([index * most + np.arange(count) for index, count in enumerate(counts)])
-    masked = np.zeros((sum(counts), block), dtype=bool)
-    ends = np.cumsum(counts) - 1
-    for end, length, count in zip(ends, lengths, counts):
-        masked[end, length - (count - 1) * block + 1 :] = True
+    query_index = output_index = None
+    if chain_rows > 1:
+        starts = np.cumsum([0, *sizes])
+        query_index = np.concatenate([np.minimum(np.arange(chain_rows), size - 1) + start
+                                      for size, start in zip(sizes, starts)])
+        output_index = np.concatenate([index * chain_rows + np.arange(size) for index, size in enumerate(sizes)])
+
+    def as_tensor(array: np.ndarray | None) -> torch.Tensor | None:
+        return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
     return RowsLayout(
         tuple(counts),
-        torch.from_numpy(sequence_of_block).to(device),
-        torch.from_numpy(slots).to(device),
-        torch.from_numpy(masked).view(-1, 1, 1, block).to(device),
+        rows,
+        chain_rows,
+        as_tensor(query_index),
+        as_tensor(output_index),
+        as_tensor(np.repeat(np.arange(len(counts)), counts)),
+        as_tensor(np.concatenate([index * most + np.arange(count) for index, count in enumerate(counts)])),
+        as_tensor(np.concatenate(masks)[:, None]),
     )
 
 
-def single_rows_attention(
+def rows_attention(
     query: torch.Tensor,
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     layout: RowsLayout,
-    min_rows: int = 1,
 ) -> torch.Tensor:
-    """:func:`single_row_attention` of one row of each of several sequences in one set of products, each row bitwise
-    its result alone: every block runs through a product of the same shape; a row's maximum is taken over its own
-    blocks; its block sums are added in order, followed only by exact zeros (the padding of shorter sequences).
+    """:func:`block_attention` of the chains of rows of several sequences in one set of products, each row bitwise
+    its result alone and plain decoding's at its position: every block runs through a product of the same shape (a
+    head group's rows of one block, the product's row count at least the machine's invariant one, see
+    :mod:`draftwise.backend.invariance`); a row's maximum is taken over its own positions; its block sums are added
+    in order by a sequential scan, in which the blocks it does not see (a shorter chain's, padding) add exact zeros.
 
     Args:
-        query: ``(sequences, kv_heads, group, head_dim)``.
-        keys, values: each sequence's cache of this layer, ``(blocks, kv_heads, block, head_dim)``.
+        query: ``(flat rows, kv_heads, group, head_dim)``: every sequence's rows, one sequence after the other.
+        keys, values: each sequence's cache of this layer, ``(blocks, kv_heads, block, head_dim)``, holding this
+            forward's rows at their positions.
         layout: see :func:`rows_layout`.
-        min_rows: as for :func:`block_attention`.
 
     Returns:
-        ``(sequences, kv_heads * group * head_dim)``.
+        ``(flat rows, kv_heads * group * head_dim)``.
     """
-    count, kv_heads, group, head_dim = query.shape
-    rows = max(group, min_rows)
-    most = layout.most_blocks
-    own_keys = torch.cat([own[:blocks] for own, blocks in zip(keys, layout.counts)])
-    own_values = torch.cat([own[:blocks] for own, blocks in zip(values, layout.counts)])
-    grouped = pad_rows(query, 2, rows).index_select(0, layout.sequence_of_block)  # (blocks, kv, rows, dim)
-    scores = torch.matmul(grouped, own_keys.transpose(2, 3)).float().masked_fill_(layout.masked, float("-inf"))
-    block_maximum = scores[:, :, :group].amax(-1)  # (blocks, kv, group)
-    maximum = block_maximum.new_full((count * most, kv_heads, group), float("-inf"))
-    maximum = maximum.index_copy_(0, layout.slots, block_maximum).view(count, most, kv_heads, group).amax(1)
-    maximum = pad_rows(maximum, 2, rows).index_select(0, layout.sequence_of_block)  # (blocks, kv, rows)
-    weights = torch.exp(scores - maximum[..., None])
-    sums = torch.matmul(weights.to(query.dtype), own_values).float()[:, :, :group]  # (blocks, kv, group, dim)
-    totals = weights.sum(-1)[:, :, :group]
-    padded_sums = sums.new_zeros(count * most, kv_heads, group, head_dim).index_copy_(0, layout.slots, sums)
-    padded_totals = totals.new_zeros(count * most, kv_heads, group).index_copy_(0, layout.slots, totals)
-    total = padded_sums.view(count, most, kv_heads, group, head_dim).cumsum(1)[:, -1]
-    weight = padded_totals.view(count, most, kv_heads, group).cumsum(1)[:, -1]
-    return (total / weight[..., None]).to(query.dtype).reshape(count, kv_heads * group * head_dim)
+    count = len(keys)
+    _, kv_heads, group, head_dim = query.shape
+    dtype = query.dtype
+    rows, most = layout.rows, layout.most_blocks
+    if layout.query_index is None:
+        grouped = pad_rows(query, 2, rows)  # (sequences, kv, rows, dim)
+    else:
+        chain_rows = layout.chain_rows
+        grouped = query.index_select(0, layout.query_index).view(count, chain_rows, kv_heads, group, head_dim)
+        grouped = pad_rows(grouped.transpose(1, 2).reshape(count, kv_heads, chain_rows * group, head_dim), 2, rows)
+    if count == 1:
+        own_keys, own_values = keys[0][: layout.counts[0]], values[0][: layout.counts[0]]
+    else:
+        own_keys = torch.cat([own[:blocks] for own, blocks in zip(keys, layout.counts)])
+        own_values = torch.cat([own[:blocks] for own, blocks in zip(values, layout.counts)])
+    block_queries = grouped.index_select(0, layout.sequence_of_block)  # (blocks, kv, rows, dim)
+    scores = torch.matmul(block_queries, own_keys.transpose(2, 3)).float().masked_fill_(layout.masked, float("-inf"))
+    block_maximum = scores.amax(-1)  # (blocks, kv, rows)
+    if count == 1:
+        maximum = block_maximum.amax(0)[None]
+    else:
+        maximum = block_maximum.new_full((count * most, kv_heads, rows), float("-inf"))
+        maximum = maximum.index_copy_(0, layout.slots, block_maximum).view(count, most, kv_heads, rows).amax(1)
+    weights = torch.exp(scores - maximum.index_select(0, layout.sequence_of_block)[..., None])
+    sums = torch.matmul(weights.to(dtype), own_values).float()  # (blocks, kv, rows, dim)
+    totals = weights.sum(-1)
+    # Blocks added in order, one after the other (blocks a row does not see, and padding, add exact zeros).
+    if count == 1:
+        total, weight = sums.cumsum(0)[-1:], totals.cumsum(0)[-1:]
+    else:
+        padded_sums = sums.new_zeros(count * most, kv_heads, rows, head_dim).index_copy_(0, layout.slots, sums)
+        padded_totals = totals.new_zeros(count * most, kv_heads, rows).index_copy_(0, layout.slots, totals)
+        total = padded_sums.view(count, most, kv_heads, rows, head_dim).cumsum(1)[:, -1]
+        weight = padded_totals.view(count, most, kv_heads, rows).cumsum(1)[:, -1]
+    output = (total / weight[..., None]).to(dtype)  # (sequences, kv, rows, dim)
+    if layout.query_index is None:
+        return output[:, :, :group].reshape(count, kv_heads * group * head_dim)
+    chain_rows = layout.chain_rows
+    output = output[:, :, : chain_rows * group].reshape(count, kv_heads, chain_rows, group, head_dim)
+    output = output.transpose(1, 2).reshape(count * chain_rows, kv_heads * group * head_dim)
+    return output.index_select(0, layout.output_index)
 
 
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

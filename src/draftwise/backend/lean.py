@@ -29,14 +29,14 @@ from .attention import (
     batch_layout,
     block_attention,
     causal_attention,
+    rows_attention,
     rows_layout,
     single_row_attention,
-    single_rows_attention,
     tail_layout,
 )
 from .cache import check_full_attention
 from .linear import Linear, packing_available
-from .rows import RowBlock
+from .rows import RowBlock, is_chain
 from .target import ForwardOutput, Target
 
 #: Most rows stacked into one product (16 sequences of 32 draft nodes): the linear products' invariance is checked
@@ -117,10 +117,11 @@ def _row_bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
-def _bucket_members(sizes: Sequence[int]) -> list[list[int]]:
-    """Sequences (by index) grouped by :func:`_row_bucket` of their row counts, smallest bucket first."""
-    return [[index for index, size in enumerate(sizes) if _row_bucket(size) == bucket]
-            for bucket in sorted({_row_bucket(size) for size in sizes})]
+def _bucket_members(sizes: Sequence[int], chains: Sequence[bool]) -> list[list[int]]:
+    """Sequences (by index) grouped by :func:`_row_bucket` of their row counts, chains apart from trees (whose
+    attention runs another way), smallest bucket first."""
+    keys = [(_row_bucket(size), not chain) for size, chain in zip(sizes, chains)]
+    return [[index for index, key in enumerate(keys) if key == group] for group in sorted(set(keys))]
 
 
 def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
@@ -257,6 +258,11 @@ class LeanTarget(Target):
         # Fixed-row plans are the GPUs', where joint attention over sequences is not batch invariant.
         self.joint_attention = not linear_fixed
 
+    @property
+    def batch_chains(self) -> bool:  # type: ignore[override]
+        # Joint attention reads a chain's blocks in place; a tree's rows each need their own gathered copies.
+        return self.joint_attention
+
     # ----------------------------------------------------------------------------------------------- cache
 
     def new_cache(self, capacity: int) -> LeanCache:
@@ -358,25 +364,28 @@ class LeanTarget(Target):
         )
 
     def _attention_group(
-        self, caches: Sequence[LeanCache], sizes: Sequence[int], starts: Sequence[int], members: Sequence[int],
-        layout_of: Callable[[int], Any],
+        self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], starts: Sequence[int], members: Sequence[int]
     ) -> tuple[torch.Tensor, Callable[[int, torch.Tensor], torch.Tensor]]:
-        """The flat rows of the sequences ``members`` (of one row-count bucket; ``sizes`` and ``starts``: every
-        sequence's row count and first flat row) and the function computing their attention at a layer from their
-        queries, as one set of products."""
-        rows = torch.tensor([starts[index] + row for index in members for row in range(sizes[index])],
+        """The flat rows of the sequences ``members`` (chains, or trees, of one row-count bucket; ``starts``: every
+        sequence's first flat row) and the function computing their attention at a layer from their queries, as one
+        set of products."""
+        rows = torch.tensor([starts[index] + row for index in members for row in range(len(blocks[index]))],
                             device=self.device)
-        if all(sizes[index] == 1 for index in members):
-            plan = rows_layout([caches[index].length for index in members], self.block, self.device)
+        sizes = [len(blocks[index]) for index in members]
+        if is_chain(blocks[members[0]].parents):
+            layout = rows_layout([caches[index].length for index in members], sizes, self.block, self.group,
+                                 self.attention_min_rows, self.device)
 
             def compute(layer: int, queries: torch.Tensor) -> torch.Tensor:
-                return single_rows_attention(queries, [caches[index].keys[layer] for index in members],
-                                             [caches[index].values[layer] for index in members], plan,
-                                             self.attention_min_rows)
+                return rows_attention(queries, [caches[index].keys[layer] for index in members],
+                                      [caches[index].values[layer] for index in members], layout)
 
             return rows, compute
-        together = batch_layout([layout_of(index) for index in members], [sizes[index] for index in members],
-                                self.block, self.kv_heads)
+        together = batch_layout(
+            [tail_layout(caches[index].length, blocks[index].parents, self.block, self.kv_heads, self.device)
+             for index in members],
+            sizes, self.block, self.kv_heads,
+        )
         buffers = None
         if together.shared_blocks:
             size = (len(members), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
@@ -435,11 +444,6 @@ class LeanTarget(Target):
                 [states for output in outputs for states in output.hidden_states] if hidden_states else None,
             )
         shape = (self.kv_heads, self.group, self.head_dim)
-
-        def layout_of(sequence: int) -> Any:
-            return tail_layout(caches[sequence].length, blocks[sequence].parents, self.block, self.kv_heads,
-                               self.device)
-
         if len(caches) == 1 and len(blocks[0].tokens) == 1 and self.joint_attention:
             # Plain one-row decoding (CPU plans: products there do not depend on how many blocks share them).
             cache = caches[0]
@@ -447,8 +451,9 @@ class LeanTarget(Target):
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 return single_row_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index],
                                             cache.length, self.attention_min_rows)
-        elif len(caches) == 1:
-            cache, layout = caches[0], layout_of(0)
+        elif len(caches) == 1 and not is_chain(blocks[0].parents):
+            cache, layout = caches[0], tail_layout(caches[0].length, blocks[0].parents, self.block, self.kv_heads,
+                                                   self.device)
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
@@ -456,10 +461,9 @@ class LeanTarget(Target):
         elif not self.joint_attention:
             # Each sequence's attention on its own: padding sequences to a shared block count lengthens the
             # reductions, which on GPUs changes their order (and a row's last bits) even though the padding is zero.
-            layouts = [layout_of(sequence) for sequence in range(len(caches))]
-            bounds = [0]
-            for block in blocks:
-                bounds.append(bounds[-1] + len(block.tokens))
+            layouts = [tail_layout(cache.length, block.parents, self.block, self.kv_heads, self.device)
+                       for cache, block in zip(caches, blocks)]
+            bounds = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 queries = queries.view(-1, *shape)
@@ -469,13 +473,13 @@ class LeanTarget(Target):
                     for sequence, (cache, layout) in enumerate(zip(caches, layouts))
                 ])
         else:
-            # Several sequences: one set of padded products per group of sequences with similar row counts (padding
-            # a one-row sequence to another's 17-row tree would cost more than the products it saves), each row
-            # bitwise its own result; the sequences with a lone row (plain decoding) in products of their own.
-            sizes = [len(block.tokens) for block in blocks]
-            starts = list(itertools.accumulate(sizes, initial=0))
-            groups = [self._attention_group(caches, sizes, starts, members, layout_of)
-                      for members in _bucket_members(sizes)]
+            # One set of products per group of sequences with similar row counts (padding a one-row sequence to
+            # another's 17-row tree would cost more than the products it saves), chains (every block in place) apart
+            # from trees, each row bitwise its own result.
+            starts = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
+            groups = [self._attention_group(caches, blocks, starts, members)
+                      for members in _bucket_members([len(block.tokens) for block in blocks],
+                                                     [is_chain(block.parents) for block in blocks])]
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 queries = queries.view(-1, *shape)

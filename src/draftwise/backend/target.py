@@ -57,6 +57,9 @@ class Target(ABC):
     exact_trees: bool = True
     #: Forward seconds by row count measured on this machine (:mod:`draftwise.backend.costs`), if measured.
     cost_prior: dict[int, float] | None = None
+    #: Whether several sequences' chains of rows are verified on a leaner path than their trees (so that a batch's
+    #: drafts are cut to their best path).
+    batch_chains: bool = False
 
     @property
     def config(self) -> Any:

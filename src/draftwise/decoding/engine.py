@@ -339,6 +339,8 @@ class Decoder:
         offered = sum(len(tree) for tree in trees)
         if len(active) > 1:  # a batch prices every draft (alone, a drafter's unscored tree is verified whole)
             trees = [scored_by_acceptance(tree, sequence.stats) for tree, sequence in zip(trees, active)]
+            if self.target.batch_chains:
+                trees = [tree.best_path() for tree in trees]
         trees = size_trees(trees, self.latency)
         if offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
             self._judge_drafting(trees, draft_seconds)

@@ -149,6 +149,18 @@ class DraftTree:
         ranked = sorted(range(len(self.tokens)), key=lambda node: (-self.scores[node], self._depths[node], node))
         return self._subtree(sorted(ranked[: max(count, 0)]))
 
+    def best_path(self) -> DraftTree:
+        """The chain from the root down its best-scoring child at every level (the first child when unscored)."""
+        path: list[int] = []
+        parent = ROOT
+        while True:
+            children = [node for node in range(len(self.tokens)) if self.parents[node] == parent]
+            if not children:
+                break
+            parent = children[0] if self.scores is None else max(children, key=lambda node: self.scores[node])
+            path.append(parent)
+        return self if len(path) == len(self.tokens) else self._subtree(path)
+
     def _subtree(self, keep: Sequence[int]) -> DraftTree:
         """The nodes ``keep`` (ascending, closed under parents), renumbered."""
         index = {node: new for new, node in enumerate(keep)}

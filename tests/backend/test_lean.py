@@ -294,7 +294,7 @@ def test_lone_row_attention_is_block_attention_bitwise(dtype, min_rows):
     for index, length in enumerate(lengths):
         alone = single_row_attention(query[index : index + 1], keys[index], values[index], length, min_rows)
         assert torch.equal(alone, expected[index]), length
-    layout = rows_layout(lengths, [1] * len(lengths), BLOCK, group, min_rows)
+    layout = rows_layout(lengths, [1] * len(lengths), BLOCK, kv_heads, group, min_rows)
     assert torch.equal(rows_attention(query, keys, values, layout), torch.cat(expected))
 
 
@@ -336,8 +336,20 @@ def test_chains_of_several_sequences_in_one_set_of_products_are_block_attention_
         reference = block_attention(part, keys[index], values[index], tail_layout(length, chain, BLOCK, kv_heads),
                                     min_rows)
         alone = rows_attention(part, keys[index : index + 1], values[index : index + 1],
-                               rows_layout([length], [size], BLOCK, group, min_rows))
+                               rows_layout([length], [size], BLOCK, kv_heads, group, min_rows))
         assert torch.equal(alone, reference), (length, size)
         expected.append(reference)
-    together = rows_attention(query, keys, values, rows_layout(lengths, sizes, BLOCK, group, min_rows))
-    assert torch.equal(together, torch.cat(expected))
+    layout = rows_layout(lengths, sizes, BLOCK, kv_heads, group, min_rows)
+    assert torch.equal(rows_attention(query, keys, values, layout), torch.cat(expected))
+    # This forward's keys and values given apart, the caches still without them: the same bits.
+    new_keys, new_values, stale_keys, stale_values = [], [], [], []
+    for length, size, own_keys, own_values in zip(lengths, sizes, keys, values):
+        slots = torch.arange(length, length + size)
+        new_keys.append(own_keys[slots // BLOCK, :, slots % BLOCK])
+        new_values.append(own_values[slots // BLOCK, :, slots % BLOCK])
+        stale_keys.append(own_keys.clone())
+        stale_values.append(own_values.clone())
+        stale_keys[-1][slots // BLOCK, :, slots % BLOCK] = 7.0
+        stale_values[-1][slots // BLOCK, :, slots % BLOCK] = -7.0
+    given = rows_attention(query, stale_keys, stale_values, layout, torch.cat(new_keys), torch.cat(new_values))
+    assert torch.equal(given, torch.cat(expected))

@@ -220,6 +220,8 @@ class RowsLayout:
         sequence_of_block: ``(blocks,)`` the sequence of each concatenated block.
         slots: ``(blocks,)`` each block's place in a ``(sequences * most blocks)`` padded layout.
         masked: ``(blocks, 1, rows, block)`` positions each query row must not see.
+        new_slots: ``(flat rows * kv_heads,)`` row of the flattened concatenated blocks (``(blocks * kv_heads *
+            block, head_dim)``) where each flat row's key (or value) of each head goes.
     """
 
     counts: tuple[int, ...]
@@ -230,6 +232,7 @@ class RowsLayout:
     sequence_of_block: torch.Tensor
     slots: torch.Tensor
     masked: torch.Tensor
+    new_slots: torch.Tensor
 
     @property
     def most_blocks(self) -> int:
@@ -240,12 +243,13 @@ def rows_layout(
     lengths: Sequence[int],
     sizes: Sequence[int],
     block: int,
+    kv_heads: int,
     group: int,
     min_rows: int = 1,
     device: torch.device | str = "cpu",
 ) -> RowsLayout:
     """The :class:`RowsLayout` of chains of ``sizes[i]`` rows written at positions ``lengths[i], lengths[i] + 1,
-    ...``, for products of ``group`` query rows per row."""
+    ...``, for products of ``group`` query rows per row over ``kv_heads`` key/value heads."""
     chain_rows = max(sizes)
     rows = max(chain_rows * group, min_rows)
     counts = [(length + size - 1) // block + 1 for length, size in zip(lengths, sizes)]
@@ -258,6 +262,11 @@ def rows_layout(
         visible[0, size * group :, 0] = True
         masks.append(~visible)
     most = max(counts)
+    first_blocks = np.cumsum([0, *counts[:-1]])
+    positions = np.concatenate([length + np.arange(size) for length, size in zip(lengths, sizes)])
+    firsts = np.repeat(first_blocks, sizes)
+    heads = np.arange(kv_heads)[None]
+    new_slots = ((firsts + positions // block) * kv_heads * block)[:, None] + heads * block + (positions % block)[:, None]
     query_index = output_index = None
     if chain_rows > 1:
         starts = np.cumsum([0, *sizes])
@@ -277,6 +286,7 @@ def rows_layout(
         as_tensor(np.repeat(np.arange(len(counts)), counts)),
         as_tensor(np.concatenate([index * most + np.arange(count) for index, count in enumerate(counts)])),
         as_tensor(np.concatenate(masks)[:, None]),
+        as_tensor(new_slots.reshape(-1)),
     )
 
 
@@ -285,6 +295,8 @@ def rows_attention(
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     layout: RowsLayout,
+    new_keys: torch.Tensor | None = None,
+    new_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`block_attention` of the chains of rows of several sequences in one set of products, each row bitwise
     its result alone and plain decoding's at its position: every block runs through a product of the same shape (a
@@ -297,6 +309,9 @@ def rows_attention(
         keys, values: each sequence's cache of this layer, ``(blocks, kv_heads, block, head_dim)``, holding this
             forward's rows at their positions.
         layout: see :func:`rows_layout`.
+        new_keys, new_values: ``(flat rows, kv_heads, head_dim)``: this forward's rows' keys and values when the
+            caches do not hold them yet (they are written into the concatenated copy of the blocks instead, so that
+            the caches can be written once per forward rather than once per layer; several sequences only).
 
     Returns:
         ``(flat rows, kv_heads * group * head_dim)``.
@@ -305,6 +320,8 @@ def rows_attention(
     _, kv_heads, group, head_dim = query.shape
     dtype = query.dtype
     rows, most = layout.rows, layout.most_blocks
+    if new_keys is not None and count == 1:
+        raise ValueError("one sequence's blocks are read in place: write its rows into its cache")
     if layout.query_index is None:
         grouped = pad_rows(query, 2, rows)  # (sequences, kv, rows, dim)
     else:
@@ -316,6 +333,9 @@ def rows_attention(
     else:
         own_keys = torch.cat([own[:blocks] for own, blocks in zip(keys, layout.counts)])
         own_values = torch.cat([own[:blocks] for own, blocks in zip(values, layout.counts)])
+        if new_keys is not None and new_values is not None:
+            own_keys.view(-1, head_dim).index_copy_(0, layout.new_slots, new_keys.reshape(-1, head_dim))
+            own_values.view(-1, head_dim).index_copy_(0, layout.new_slots, new_values.reshape(-1, head_dim))
     block_queries = grouped.index_select(0, layout.sequence_of_block)  # (blocks, kv, rows, dim)
     scores = torch.matmul(block_queries, own_keys.transpose(2, 3)).float().masked_fill_(layout.masked, float("-inf"))
     block_maximum = scores.amax(-1)  # (blocks, kv, rows)

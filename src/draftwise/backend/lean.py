@@ -298,14 +298,19 @@ class LeanTarget(Target):
 
     def _run(
         self, caches: Sequence[LeanCache], tokens: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], attend,
-        skip: LayerSkip | None = None,
+        skip: LayerSkip | None = None, deferred: frozenset[int] = frozenset(),
     ) -> list[torch.Tensor]:
         """The decoder layers over each sequence's new rows (``tokens[i]`` at its cache length plus ``depths[i]``),
         all sequences' rows in the same products, each sequence's attention on its own cache; the rows' keys and
         values are written into the caches after their lengths first. ``attend(layer, queries, keys, values)``
         does every sequence's attention (given all new rows' queries, keys and values, one sequence after the
         other) and returns its rows' outputs in the same order. ``skip`` names sub-layers left out (a layer-skipping
-        draft: a skipped attention writes no keys or values). Returns each sequence's final normed hidden states."""
+        draft: a skipped attention writes no keys or values). The sequences ``deferred`` (by index; their attention
+        takes this forward's rows from the keys and values it is given) get every layer's keys and values written
+        once, after the last layer: a write per sequence per forward instead of per layer. Returns each sequence's
+        final normed hidden states."""
+        if deferred and skip is not None:
+            raise ValueError("a layer-skipping forward writes its keys and values layer by layer")
         sizes = [len(row_tokens) for row_tokens in tokens]
         device = self.device
         flat_tokens = torch.tensor([token for row_tokens in tokens for token in row_tokens], device=device)
@@ -313,28 +318,49 @@ class LeanTarget(Target):
             [cache.length + depth for cache, row_depths in zip(caches, depths) for depth in row_depths], device=device
         )
         slots = []
-        for cache, size in zip(caches, sizes):
+        for sequence, (cache, size) in enumerate(zip(caches, sizes)):
             cache.reserve(cache.length + size)
-            where = torch.arange(cache.length, cache.length + size, device=device)
-            slots.append((where // self.block, where % self.block))
+            if sequence in deferred:
+                slots.append(None)
+            else:
+                where = torch.arange(cache.length, cache.length + size, device=device)
+                slots.append((where // self.block, where % self.block))
         bounds = [sum(sizes[:index]) for index in range(len(sizes) + 1)]
         cos = self.cos[positions][:, None]
         sin = self.signed_sin[positions][:, None]
         hidden = self.embedding[flat_tokens]
         skip_attention = skip.attention if skip is not None else frozenset()
         skip_mlp = skip.mlp if skip is not None else frozenset()
+        written: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if deferred else None
         for index, layer in enumerate(self.layers):
             if index not in skip_attention:
-                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend)
+                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written)
             if index not in skip_mlp:
                 gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
                 gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
                 hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
+        if written:
+            all_keys = torch.stack([keys for keys, _ in written])  # (layers, rows, kv_heads, head_dim)
+            all_values = torch.stack([values for _, values in written])
+            for sequence in sorted(deferred):
+                self._write_rows(caches[sequence], all_keys, all_values, bounds[sequence], sizes[sequence])
         states = self._rms_norm(hidden, self.norm)
         return [states[bounds[sequence] : bounds[sequence + 1]] for sequence in range(len(sizes))]
 
-    def _attention_block(self, index, layer, hidden, caches, slots, bounds, cos, sin, attend) -> torch.Tensor:
-        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches."""
+    def _write_rows(self, cache: LeanCache, keys: torch.Tensor, values: torch.Tensor, first: int, size: int) -> None:
+        """Every layer's keys and values of one sequence's rows (``first .. first + size`` of ``(layers, rows,
+        kv_heads, head_dim)``) into its cache after its length: one copy per block they fall in."""
+        slot, row = cache.length, first
+        while row < first + size:
+            offset = slot % self.block
+            count = min(self.block - offset, first + size - row)
+            cache.keys[:, slot // self.block, :, offset : offset + count] = keys[:, row : row + count].transpose(1, 2)
+            cache.values[:, slot // self.block, :, offset : offset + count] = values[:, row : row + count].transpose(1, 2)
+            slot, row = slot + count, row + count
+
+    def _attention_block(self, index, layer, hidden, caches, slots, bounds, cos, sin, attend, written) -> torch.Tensor:
+        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches (those
+        of sequences without slots are kept in ``written`` instead)."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = hidden.shape[0]
         qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
@@ -344,10 +370,14 @@ class LeanTarget(Target):
         queries = query_key[:, :heads] * self.scale
         keys = query_key[:, heads:]
         values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-        for sequence, (cache, (slot_blocks, slot_offsets)) in enumerate(zip(caches, slots)):
+        for sequence, (cache, slot) in enumerate(zip(caches, slots)):
+            if slot is None:
+                continue
             part = slice(bounds[sequence], bounds[sequence + 1])
-            cache.keys[index, slot_blocks, :, slot_offsets] = keys[part]
-            cache.values[index, slot_blocks, :, slot_offsets] = values[part]
+            cache.keys[index, slot[0], :, slot[1]] = keys[part]
+            cache.values[index, slot[0], :, slot[1]] = values[part]
+        if written is not None:
+            written.append((keys, values))
         return hidden + layer.output(attend(index, queries, keys, values))
 
     def _outputs(
@@ -365,22 +395,25 @@ class LeanTarget(Target):
 
     def _attention_group(
         self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], starts: Sequence[int], members: Sequence[int]
-    ) -> tuple[torch.Tensor, Callable[[int, torch.Tensor], torch.Tensor]]:
+    ) -> tuple[torch.Tensor, Callable[..., torch.Tensor], bool]:
         """The flat rows of the sequences ``members`` (chains, or trees, of one row-count bucket; ``starts``: every
-        sequence's first flat row) and the function computing their attention at a layer from their queries, as one
-        set of products."""
+        sequence's first flat row), the function computing their attention at a layer from their queries, keys and
+        values as one set of products, and whether it takes their keys and values from its arguments (their caches
+        are then written once per forward, see :meth:`_run`)."""
         rows = torch.tensor([starts[index] + row for index in members for row in range(len(blocks[index]))],
                             device=self.device)
         sizes = [len(blocks[index]) for index in members]
         if is_chain(blocks[members[0]].parents):
-            layout = rows_layout([caches[index].length for index in members], sizes, self.block, self.group,
-                                 self.attention_min_rows, self.device)
+            layout = rows_layout([caches[index].length for index in members], sizes, self.block, self.kv_heads,
+                                 self.group, self.attention_min_rows, self.device)
+            given = len(members) > 1  # (one sequence's blocks are read in place, from its cache)
 
-            def compute(layer: int, queries: torch.Tensor) -> torch.Tensor:
+            def compute(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 return rows_attention(queries, [caches[index].keys[layer] for index in members],
-                                      [caches[index].values[layer] for index in members], layout)
+                                      [caches[index].values[layer] for index in members], layout,
+                                      keys if given else None, values if given else None)
 
-            return rows, compute
+            return rows, compute, given
         together = batch_layout(
             [tail_layout(caches[index].length, blocks[index].parents, self.block, self.kv_heads, self.device)
              for index in members],
@@ -392,12 +425,12 @@ class LeanTarget(Target):
             buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
                        torch.zeros(size, dtype=self.dtype, device=self.device))
 
-        def compute(layer: int, queries: torch.Tensor) -> torch.Tensor:
+        def compute(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
             return batch_block_attention(queries, [caches[index].keys[layer] for index in members],
                                          [caches[index].values[layer] for index in members], together, buffers,
                                          self.attention_min_rows)
 
-        return rows, compute
+        return rows, compute, False
 
     def prefill(
         self, caches: Sequence[LeanCache], prompts: Sequence[Sequence[int]], hidden_states: bool = False,
@@ -444,6 +477,7 @@ class LeanTarget(Target):
                 [states for output in outputs for states in output.hidden_states] if hidden_states else None,
             )
         shape = (self.kv_heads, self.group, self.head_dim)
+        deferred: frozenset[int] = frozenset()  # sequences whose caches are written once, after the last layer
         if len(caches) == 1 and len(blocks[0].tokens) == 1 and self.joint_attention:
             # Plain one-row decoding (CPU plans: products there do not depend on how many blocks share them).
             cache = caches[0]
@@ -477,21 +511,27 @@ class LeanTarget(Target):
             # another's 17-row tree would cost more than the products it saves), chains (every block in place) apart
             # from trees, each row bitwise its own result.
             starts = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
-            groups = [self._attention_group(caches, blocks, starts, members)
-                      for members in _bucket_members([len(block.tokens) for block in blocks],
-                                                     [is_chain(block.parents) for block in blocks])]
+            bucketed = _bucket_members([len(block.tokens) for block in blocks],
+                                       [is_chain(block.parents) for block in blocks])
+            groups = [self._attention_group(caches, blocks, starts, members) for members in bucketed]
+            # A layer-skipping draft writes its keys and values layer by layer (its skipped layers write none).
+            if skip is None:
+                deferred = frozenset(index for members, (_, _, given) in zip(bucketed, groups) if given
+                                     for index in members)
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 queries = queries.view(-1, *shape)
                 if len(groups) == 1:
-                    return groups[0][1](index, queries)
+                    return groups[0][1](index, queries, keys, values)
                 output = queries.new_empty(queries.shape[0], self.heads * self.head_dim)
-                for rows, compute in groups:
-                    output.index_copy_(0, rows, compute(index, queries.index_select(0, rows)))
+                for rows, compute, given in groups:
+                    group_keys = keys.index_select(0, rows) if given else keys
+                    group_values = values.index_select(0, rows) if given else values
+                    output.index_copy_(0, rows, compute(index, queries.index_select(0, rows), group_keys, group_values))
                 return output
 
         states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend,
-                           skip)
+                           skip, deferred)
         if last_only:
             states = [part[-1:] for part in states]
         return self._outputs(states, hidden_states, head)

@@ -130,6 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         categories=args.categories.split(",") if args.categories else None,
         per_category=args.per_category,
         seed_prompts=args.seed_prompts,
+        max_prompts=args.prompts,
         turns={"1": [1], "2": [2], "both": [1, 2]}[args.turns],
         repeats=args.repeats,
         max_new_tokens=args.max_new_tokens,
@@ -391,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--data", default=None, help="jsonl prompt file: one {\"prompt\": ...}, {\"messages\": [...]} or "
                        "{\"turns\": [...]} per line (default: shared/data/spec_bench/question.jsonl)")
     bench.add_argument("--per-category", type=int, default=5)
+    bench.add_argument("--prompts", type=int, default=None, metavar="N",
+                       help="at most N of the selected prompts, the categories taken in turn (default: all)")
     bench.add_argument("--seed-prompts", type=int, default=None,
                        help="sample each category's prompts with this seed (default: the first ones)")
     bench.add_argument(

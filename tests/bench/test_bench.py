@@ -71,6 +71,15 @@ def test_per_category(question_file):
     assert ids(load_spec_bench(question_file, per_category=100)) == ids(load_spec_bench(question_file))
 
 
+def test_a_number_of_prompts_takes_the_categories_in_turn(question_file):
+    prompts = load_spec_bench(question_file, per_category=2)
+    taken = data.take_prompts(prompts, 3)
+    assert len(taken) == 3 and len({prompt.category for prompt in taken}) == 3
+    assert sorted(ids(data.take_prompts(prompts, 100))) == sorted(ids(prompts))
+    with pytest.raises(InvalidRequestError, match="--prompts"):
+        bench.BenchSettings(methods=["ar"], model="x", max_prompts=0).check()
+
+
 def test_missing_question_id_uses_line_number(question_file):
     prompts = load_spec_bench(question_file)
     roleplay = [prompt for prompt in prompts if prompt.subcategory == "roleplay"]

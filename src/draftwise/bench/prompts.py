@@ -194,6 +194,15 @@ def select_prompts(
     return selected
 
 
+def take_prompts(prompts: Sequence[Prompt], count: int) -> list[Prompt]:
+    """At most ``count`` of ``prompts``, the categories taken in turn (each category's prompts in their order), so
+    that a total that is not a multiple of the categories still covers them evenly."""
+    by_category: dict[str, list[Prompt]] = defaultdict(list)
+    for prompt in prompts:
+        by_category[prompt.category].append(prompt)
+    return _round_robin(list(by_category.values()), count)
+
+
 def _round_robin(queues: list[list[Prompt]], limit: int | None) -> list[Prompt]:
     taken: list[Prompt] = []
     while queues and (limit is None or len(taken) < limit):

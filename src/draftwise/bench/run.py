@@ -38,7 +38,7 @@ from .anchors import ANCHOR_ROWS, LlamaCppRunner, anchor_gguf
 from .batched import BatchRecord, run_batched
 from .environment import PeakMemoryMeter, environment
 from .metrics import summarize
-from .prompts import Prompt, load_dataset
+from .prompts import Prompt, load_dataset, take_prompts
 from .results import Measurement, Record, ResultsWriter, results_header, row_label
 
 HF_ROWS = ("hf", "hf-pld", "hf-assisted")
@@ -424,7 +424,8 @@ class BenchSettings:
         dtype, backend, device, threads, cache_dir: how the models are loaded (see :func:`draftwise.load_model`).
         budgets: draft budgets to sweep (``None``: each method at the engine's default).
         dataset, data, categories, per_category, seed_prompts: which prompts (see
-            :func:`~draftwise.bench.prompts.load_dataset`).
+            :func:`~draftwise.bench.prompts.load_dataset`); max_prompts: at most this many of them, the categories
+            taken in turn.
         turns, repeats, max_new_tokens, chat_template, sampling: how each prompt is run.
         out, resume: the results file runs are appended to, and whether to continue it.
     """
@@ -443,6 +444,7 @@ class BenchSettings:
     categories: list[str] | None = None
     per_category: int | None = None
     seed_prompts: int | None = None
+    max_prompts: int | None = None
     turns: list[int] = field(default_factory=lambda: [1])
     repeats: int = 1
     max_new_tokens: int = 128
@@ -455,6 +457,8 @@ class BenchSettings:
         """Refuse settings that cannot run, before anything slow starts."""
         if self.max_new_tokens <= 0 or (self.per_category is not None and self.per_category <= 0):
             raise InvalidRequestError("--max-new-tokens and --per-category must be positive")
+        if self.max_prompts is not None and self.max_prompts <= 0:
+            raise InvalidRequestError("--prompts must be positive")
         if self.repeats < 1:
             raise InvalidRequestError("--repeats must be at least 1")
         if self.resume and not self.out:
@@ -495,6 +499,8 @@ class Benchmark:
         prompts = load_dataset(
             settings.dataset, settings.data, settings.per_category, settings.seed_prompts, settings.categories
         )
+        if settings.max_prompts is not None:
+            prompts = take_prompts(prompts, settings.max_prompts)
         if not prompts:
             raise InvalidRequestError("no prompts selected")
         drafters = build_drafters(rows)
@@ -528,6 +534,7 @@ class Benchmark:
             "categories": settings.categories,
             "per_category": settings.per_category,
             "seed_prompts": settings.seed_prompts,
+            "max_prompts": settings.max_prompts,
             "questions": [prompt.question_id for prompt in prompts],
             "turns": settings.turns,
             "repeats": settings.repeats,

@@ -353,3 +353,54 @@ def test_chains_of_several_sequences_in_one_set_of_products_are_block_attention_
         stale_values[-1][slots // BLOCK, :, slots % BLOCK] = -7.0
     given = rows_attention(query, stale_keys, stale_values, layout, torch.cat(new_keys), torch.cat(new_values))
     assert torch.equal(given, torch.cat(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_lone_rows_chains_and_a_tree_is_each_sequence_alone(dtype, tmp_path):
+    """Lone rows, chains of two row-count buckets (one across a block boundary) and a tree in one forward, on caches
+    holding garbage after their lengths: every sequence's logits, and its cache once its rows are committed, equal
+    those of its forward alone (chains of a batch have their caches written once, after the last layer)."""
+    target = planned(model_in("qwen2", dtype), tmp_path)
+    rng = random.Random(12)
+    vocab = target.config.vocab_size
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(count)]
+
+    lengths = [10, BLOCK - 2, 30, BLOCK + 5, 3, 2 * BLOCK - 1]
+    prompts = [tokens(length) for length in lengths]
+    blocks = [RowBlock.chain(tokens(1)), RowBlock.chain(tokens(3)), RowBlock.chain(tokens(7)),
+              RowBlock(tuple(tokens(5)), (-1, 0, 0, 1, 2)), RowBlock.chain(tokens(1)), RowBlock.chain(tokens(6))]
+    kept = [list(range(len(block))) if block.parents == tuple(range(-1, len(block) - 1)) else [0, 2, 4]
+            for block in blocks]
+
+    def fresh_caches(garbage: bool) -> list:
+        caches = []
+        for prompt in prompts:
+            cache = target.new_cache(len(prompt) + 16)
+            target.prefill([cache], [prompt])
+            if garbage:
+                after = torch.arange(cache.length, cache.capacity)
+                cache.keys[:, after // BLOCK, :, after % BLOCK] = 3.0
+                cache.values[:, after // BLOCK, :, after % BLOCK] = -3.0
+            caches.append(cache)
+        return caches
+
+    def committed(cache) -> tuple[torch.Tensor, torch.Tensor]:
+        layers, blocks_, heads, block, dim = cache.keys.shape
+        flat = [buffer.transpose(2, 3).reshape(layers, blocks_ * block, heads, dim)[:, : cache.length]
+                for buffer in (cache.keys, cache.values)]
+        return flat[0], flat[1]
+
+    with torch.inference_mode():
+        together_caches = fresh_caches(garbage=True)
+        together = target.forward(together_caches, blocks).logits
+        alone_caches = fresh_caches(garbage=False)
+        alone = [target.forward([cache], [block]).logits[0] for cache, block in zip(alone_caches, blocks)]
+        for cache_a, cache_b, rows in zip(together_caches, alone_caches, kept):
+            target.commit(cache_a, rows)
+            target.commit(cache_b, rows)
+    for index, (a, b) in enumerate(zip(together, alone)):
+        assert torch.equal(a, b), index
+    for index, (cache_a, cache_b) in enumerate(zip(together_caches, alone_caches)):
+        assert all(torch.equal(x, y) for x, y in zip(committed(cache_a), committed(cache_b))), index

@@ -290,6 +290,9 @@ def test_best_path_follows_the_best_child_at_every_level():
     best = tree.best_path()
     assert best.tokens == (1, 4, 5) and best.parents == (-1, 0, 1) and best.scores == (0.6, 0.3, 0.1)
     assert DraftTree.from_paths([[1, 2], [3]]).best_path().tokens == (1, 2)
+    assert DraftTree.from_paths([[1], [3, 4, 5]]).best_path().tokens == (3, 4, 5)  # tied siblings: the deeper
+    tied = DraftTree((1, 2, 3), (-1, -1, 1), scores=(0.5, 0.5, 0.1))
+    assert tied.best_path().tokens == (2, 3)
     chain = DraftTree.chain([7, 8])
     assert chain.best_path() is chain and len(DraftTree().best_path()) == 0
 

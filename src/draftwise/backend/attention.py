@@ -207,9 +207,9 @@ class RowsLayout:
     once per forward, used by every layer).
 
     A chain's rows (each follows the one before it: plain decoding's lone row, a draft chain) are written at their
-    own positions, so every block a row sees lies in place in its sequence's cache; the rows of a sequence differ
-    only in which positions they see. Each sequence's blocks, up to the last one its deepest row sees, are
-    concatenated over the sequences.
+    own positions, so every block a row sees is its sequence's cache block as it is (no per-row gathers); the rows of
+    a sequence differ only in which positions they see. Each sequence's blocks, up to the last one its deepest row
+    sees, are concatenated over the sequences (one sequence's are read in place).
 
     Attributes:
         counts: blocks of each sequence.
@@ -250,6 +250,8 @@ def rows_layout(
 ) -> RowsLayout:
     """The :class:`RowsLayout` of chains of ``sizes[i]`` rows written at positions ``lengths[i], lengths[i] + 1,
     ...``, for products of ``group`` query rows per row over ``kv_heads`` key/value heads."""
+    if len(lengths) != len(sizes) or not sizes or min(sizes) < 1:
+        raise ValueError(f"one chain of at least one row per sequence: lengths {list(lengths)}, sizes {list(sizes)}")
     chain_rows = max(sizes)
     rows = max(chain_rows * group, min_rows)
     counts = [(length + size - 1) // block + 1 for length, size in zip(lengths, sizes)]
@@ -299,8 +301,8 @@ def rows_attention(
     new_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`block_attention` of the chains of rows of several sequences in one set of products, each row bitwise
-    its result alone and plain decoding's at its position: every block runs through a product of the same shape (a
-    head group's rows of one block, the product's row count at least the machine's invariant one, see
+    its result alone and plain decoding's at its position: every block runs through products of one shape (the head
+    groups of the longest chain's rows against one block, at least the machine's invariant row count, see
     :mod:`draftwise.backend.invariance`); a row's maximum is taken over its own positions; its block sums are added
     in order by a sequential scan, in which the blocks it does not see (a shorter chain's, padding) add exact zeros.
 

@@ -36,7 +36,7 @@ SAMPLE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 31, 32
 #: Paddings tried after the measured one, in order, while whole forwards are not exact (each raised to at least
 #: the measured one).
 ESCALATION = ((2, 1), (4, 1), (2, 12), (4, 16), (16, 32))
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 #: Rows every linear product runs at on GPUs (see :class:`~draftwise.backend.linear.Linear`'s ``fixed_rows``): a
 #: product of 64 rows costs about what one row does there, and a fixed shape keeps one kernel for every row.
 GPU_FIXED_ROWS = 64
@@ -129,9 +129,10 @@ def check_trees(
 
     A random prompt is prefilled and decoded greedily ``steps`` tokens, one row per forward. Then, ``trials`` times
     at a random point of that continuation, a tree holding the true next tokens among random siblings (in random
-    order, so that ancestors sit among other nodes) is verified on a cache of that length; every row on the true
-    path must equal the plain row at its position. Then the same trees are verified ``batch`` at a time in one
-    forward (as a batch of sequences runs), and must give the same rows again.
+    order, so that ancestors sit among other nodes; every third one a chain of the true tokens alone) is verified on
+    a cache of that length; every row on the true path must equal the plain row at its position. Then the same trees
+    are verified ``batch`` at a time in one forward on fresh caches (as a batch of sequences runs), and must give the
+    same rows again.
     """
     rng = random.Random(seed)
     vocab = target.config.vocab_size
@@ -152,7 +153,7 @@ def check_trees(
         depth = rng.randint(1, min(8, steps - start - 1))
         truth = generated[start + 1 : start + 1 + depth]
         paths = [truth]
-        for level in range(depth):
+        for level in range(depth if trial % 3 else 0):
             for _ in range(rng.randint(0, 3)):
                 paths.append([*truth[:level], rng.randrange(vocab), *(rng.randrange(vocab) for _ in range(rng.randint(0, 2)))])
         rng.shuffle(paths)
@@ -164,24 +165,30 @@ def check_trees(
                     index[key] = len(rows)
                     rows.append(path[level])
                     parents.append(index[key[:-1]])
-        trial_cache = target.new_cache(prompt_length + steps + 80)
-        target.prefill([trial_cache], [prompt])
-        if start:
-            target.forward([trial_cache], [RowBlock.chain(generated[:start])])
-            target.commit(trial_cache, range(start))
         block = RowBlock(tuple(rows), tuple(parents))
-        logits = target.forward([trial_cache], [block]).logits[0]
+        logits = target.forward([_cache_at(target, prompt, generated, start, steps)], [block]).logits[0]
         expected = [(index[tuple(truth[:level])], plain[start + level]) for level in range(depth + 1)]
-        trees.append((trial_cache, block, expected))
+        trees.append((start, block, expected))
         where = f"trial {trial}: tree of {len(rows)} rows at cache length {prompt_length + start}"
         _compare(report, logits, expected, where)
     # The same trees several at a time in one forward (ragged rows and cache lengths): a batch must not change them.
     for first in range(0, len(trees), batch):
         group = trees[first : first + batch]
-        output = target.forward([cache for cache, _, _ in group], [block for _, block, _ in group])
+        caches = [_cache_at(target, prompt, generated, start, steps) for start, _, _ in group]
+        output = target.forward(caches, [block for _, block, _ in group])
         for offset, ((_, block, expected), logits) in enumerate(zip(group, output.logits)):
             _compare(report, logits, expected, f"trial {first + offset} in a batch of {len(group)}")
     return report
+
+
+def _cache_at(target: Any, prompt: list[int], generated: list[int], start: int, steps: int) -> Any:
+    """A fresh cache holding ``prompt`` and the first ``start`` generated tokens."""
+    cache = target.new_cache(len(prompt) + steps + 80)
+    target.prefill([cache], [prompt])
+    if start:
+        target.forward([cache], [RowBlock.chain(generated[:start])])
+        target.commit(cache, range(start))
+    return cache
 
 
 def _compare(report: InvarianceReport, logits: torch.Tensor, expected: list[tuple[int, torch.Tensor]], where: str) -> None:

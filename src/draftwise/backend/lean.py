@@ -302,7 +302,7 @@ class LeanTarget(Target):
     ) -> list[torch.Tensor]:
         """The decoder layers over each sequence's new rows (``tokens[i]`` at its cache length plus ``depths[i]``),
         all sequences' rows in the same products, each sequence's attention on its own cache; the rows' keys and
-        values are written into the caches after their lengths first. ``attend(layer, queries, keys, values)``
+        values are written into the caches after their lengths first (except those of ``deferred`` sequences). ``attend(layer, queries, keys, values)``
         does every sequence's attention (given all new rows' queries, keys and values, one sequence after the
         other) and returns its rows' outputs in the same order. ``skip`` names sub-layers left out (a layer-skipping
         draft: a skipped attention writes no keys or values). The sequences ``deferred`` (by index; their attention
@@ -331,19 +331,25 @@ class LeanTarget(Target):
         hidden = self.embedding[flat_tokens]
         skip_attention = skip.attention if skip is not None else frozenset()
         skip_mlp = skip.mlp if skip is not None else frozenset()
+        # The deferred sequences' rows, kept layer by layer until their caches are written.
+        kept = torch.tensor([row for sequence in sorted(deferred) for row in range(bounds[sequence], bounds[sequence + 1])],
+                            device=device) if deferred else None
         written: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if deferred else None
         for index, layer in enumerate(self.layers):
             if index not in skip_attention:
-                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written)
+                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written,
+                                               kept)
             if index not in skip_mlp:
                 gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
                 gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
                 hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
         if written:
-            all_keys = torch.stack([keys for keys, _ in written])  # (layers, rows, kv_heads, head_dim)
+            all_keys = torch.stack([keys for keys, _ in written])  # (layers, kept rows, kv_heads, head_dim)
             all_values = torch.stack([values for _, values in written])
+            first = 0
             for sequence in sorted(deferred):
-                self._write_rows(caches[sequence], all_keys, all_values, bounds[sequence], sizes[sequence])
+                self._write_rows(caches[sequence], all_keys, all_values, first, sizes[sequence])
+                first += sizes[sequence]
         states = self._rms_norm(hidden, self.norm)
         return [states[bounds[sequence] : bounds[sequence + 1]] for sequence in range(len(sizes))]
 
@@ -358,9 +364,11 @@ class LeanTarget(Target):
             cache.values[:, slot // self.block, :, offset : offset + count] = values[:, row : row + count].transpose(1, 2)
             slot, row = slot + count, row + count
 
-    def _attention_block(self, index, layer, hidden, caches, slots, bounds, cos, sin, attend, written) -> torch.Tensor:
-        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches (those
-        of sequences without slots are kept in ``written`` instead)."""
+    def _attention_block(
+        self, index, layer, hidden, caches, slots, bounds, cos, sin, attend, written, kept
+    ) -> torch.Tensor:
+        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches (the
+        rows ``kept`` of sequences without slots are appended to ``written`` instead)."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = hidden.shape[0]
         qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
@@ -377,7 +385,7 @@ class LeanTarget(Target):
             cache.keys[index, slot[0], :, slot[1]] = keys[part]
             cache.values[index, slot[0], :, slot[1]] = values[part]
         if written is not None:
-            written.append((keys, values))
+            written.append((keys.index_select(0, kept), values.index_select(0, kept)))
         return hidden + layer.output(attend(index, queries, keys, values))
 
     def _outputs(
@@ -394,19 +402,20 @@ class LeanTarget(Target):
         )
 
     def _attention_group(
-        self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], starts: Sequence[int], members: Sequence[int]
+        self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], starts: Sequence[int], members: Sequence[int],
+        defer: bool = True,
     ) -> tuple[torch.Tensor, Callable[..., torch.Tensor], bool]:
         """The flat rows of the sequences ``members`` (chains, or trees, of one row-count bucket; ``starts``: every
         sequence's first flat row), the function computing their attention at a layer from their queries, keys and
         values as one set of products, and whether it takes their keys and values from its arguments (their caches
-        are then written once per forward, see :meth:`_run`)."""
+        are then written once per forward, see :meth:`_run`; only with ``defer``)."""
         rows = torch.tensor([starts[index] + row for index in members for row in range(len(blocks[index]))],
                             device=self.device)
         sizes = [len(blocks[index]) for index in members]
         if is_chain(blocks[members[0]].parents):
             layout = rows_layout([caches[index].length for index in members], sizes, self.block, self.kv_heads,
                                  self.group, self.attention_min_rows, self.device)
-            given = len(members) > 1  # (one sequence's blocks are read in place, from its cache)
+            given = defer and len(members) > 1  # (one sequence's blocks are read in place, from its cache)
 
             def compute(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 return rows_attention(queries, [caches[index].keys[layer] for index in members],
@@ -513,11 +522,11 @@ class LeanTarget(Target):
             starts = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
             bucketed = _bucket_members([len(block.tokens) for block in blocks],
                                        [is_chain(block.parents) for block in blocks])
-            groups = [self._attention_group(caches, blocks, starts, members) for members in bucketed]
             # A layer-skipping draft writes its keys and values layer by layer (its skipped layers write none).
-            if skip is None:
-                deferred = frozenset(index for members, (_, _, given) in zip(bucketed, groups) if given
-                                     for index in members)
+            groups = [self._attention_group(caches, blocks, starts, members, defer=skip is None)
+                      for members in bucketed]
+            deferred = frozenset(index for members, (_, _, given) in zip(bucketed, groups) if given
+                                 for index in members)
 
             def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                 queries = queries.view(-1, *shape)

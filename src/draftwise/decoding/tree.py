@@ -150,15 +150,28 @@ class DraftTree:
         return self._subtree(sorted(ranked[: max(count, 0)]))
 
     def best_path(self) -> DraftTree:
-        """The chain from the root down its best-scoring child at every level (the first child when unscored)."""
+        """The root-to-leaf chain of the most expected accepted tokens: the greatest sum of scores along it (each
+        node's score is the chance it is accepted), ties to the deeper path, then the earlier node; of an unscored
+        tree, the deepest path."""
+        scores = self.scores if self.scores is not None else (1.0,) * len(self.tokens)
+        # Children come after their parents: one pass from the last node up gives each node its best path below.
+        below: list[tuple[float, int, int]] = [(0.0, 0, -1)] * len(self.tokens)  # (sum, depth, best child)
+        best_top = (0.0, 0, -1)
+        for node in range(len(self.tokens) - 1, -1, -1):
+            total, depth, _ = below[node]
+            candidate = (scores[node] + total, depth + 1, node)
+            parent = self.parents[node]
+            current = best_top if parent == ROOT else below[parent]
+            if (candidate[0], candidate[1], -node) >= (current[0], current[1], -current[2]) or current[2] < 0:
+                if parent == ROOT:
+                    best_top = candidate
+                else:
+                    below[parent] = candidate
         path: list[int] = []
-        parent = ROOT
-        while True:
-            children = [node for node in range(len(self.tokens)) if self.parents[node] == parent]
-            if not children:
-                break
-            parent = children[0] if self.scores is None else max(children, key=lambda node: self.scores[node])
-            path.append(parent)
+        node = best_top[2]
+        while node >= 0:
+            path.append(node)
+            node = below[node][2]
         return self if len(path) == len(self.tokens) else self._subtree(path)
 
     def _subtree(self, keep: Sequence[int]) -> DraftTree:

@@ -148,3 +148,25 @@ def test_unscored_drafts_are_priced_from_the_acceptance_so_far():
     assert scored.tokens == tree.tokens and scored.parents == tree.parents
     assert scored.scores == pytest.approx((2 / 3, 2 / 3 * 1 / 3 / 2, 2 / 3 * 1 / 3 / 2))
     assert scored_by_acceptance(DraftTree(), stats) == DraftTree()
+
+
+def test_a_batch_pauses_drafting_while_drafted_steps_emit_fewer_tokens_per_second(tiny_llama):
+    """Of several sequences, measured steps decide: drafted steps slower than plain ones pause drafting with a
+    growing backoff; faster ones end it; batch 1 is left to the cost rule."""
+    decoder = Decoder(tiny_llama)
+    for _ in range(Decoder.RATE_MIN_STEPS):
+        decoder._judge_by_throughput(8, False, 8, 0.040)  # 200 tokens/s without drafts
+    for _ in range(Decoder.RATE_MIN_STEPS - 1):
+        decoder._judge_by_throughput(8, True, 10, 0.060)  # 167 tokens/s with them: not enough steps yet
+    assert decoder._pauses.get(8, [0, 0])[0] == 0
+    decoder._judge_by_throughput(8, True, 10, 0.060)
+    assert decoder._pauses[8][0] == 1
+    decoder._judge_by_throughput(8, True, 10, 0.060)
+    assert decoder._pauses[8][0] == 2  # the backoff doubles
+    for _ in range(20):
+        decoder._judge_by_throughput(8, True, 16, 0.050)  # 320 tokens/s: drafting pays again
+    assert decoder._throughput_pauses[8] == 0
+    for _ in range(10):
+        decoder._judge_by_throughput(1, False, 1, 0.010)
+        decoder._judge_by_throughput(1, True, 1, 0.050)
+    assert 1 not in decoder._pauses

@@ -237,9 +237,38 @@ class Decoder:
         self.latency = latency if latency is not None else LatencyModel(prior=self.target.cost_prior)
         # By batch size: steps left without drafting, and the current pause length (see _judge_drafting).
         self._pauses: dict[int, list[int]] = {}
+        # By batch size: measured tokens per second of steps with and without drafts (see _judge_by_throughput).
+        self._rates: dict[int, dict[bool, tuple[float, int]]] = {}
+        self._throughput_pauses: dict[int, int] = {}
 
     #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
     MAX_DRAFT_PAUSE = 64
+    #: Weight of a step in the measured rates of steps with and without drafts, and how many steps of each kind are
+    #: measured before they are compared (see :meth:`_judge_by_throughput`).
+    RATE_SMOOTHING = 0.2
+    RATE_MIN_STEPS = 4
+
+    def _judge_by_throughput(self, sequences: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """Of several sequences, pause drafting at this batch size while steps with drafts have emitted fewer tokens
+        per second than steps without (moving averages of measured steps, drafting included), with the same backoff
+        as :meth:`_judge_drafting`. The cost rule prices drafts from estimates; in a batch the first draft brings
+        costs those see late (its rows' wider attention products, linear products past the memory-bound regime), and
+        this keeps a batch from running slower than plain decoding. Batch 1 keeps the cost rule alone."""
+        if sequences < 2 or seconds <= 0:
+            return
+        rates = self._rates.setdefault(sequences, {})
+        rate = tokens / seconds
+        previous, count = rates.get(drafted, (rate, 0))
+        rates[drafted] = (previous + self.RATE_SMOOTHING * (rate - previous), count + 1)
+        if not drafted or any(rates.get(kind, (0.0, 0))[1] < self.RATE_MIN_STEPS for kind in (True, False)):
+            return
+        if rates[True][0] < rates[False][0]:
+            length = min(max(1, 2 * self._throughput_pauses.get(sequences, 0)), self.MAX_DRAFT_PAUSE)
+            self._throughput_pauses[sequences] = length
+            pause = self._pauses.setdefault(sequences, [0, 0])
+            pause[0] = max(pause[0], length)
+        else:
+            self._throughput_pauses[sequences] = 0
 
     def _judge_drafting(self, trees: Sequence[DraftTree], draft_seconds: float) -> None:
         """Pause drafting at this batch size when this step's drafts were not worth their drafting time.
@@ -316,6 +345,7 @@ class Decoder:
     def step(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
         """One draft -> verify -> accept -> update step of every unfinished sequence (finished ones emit nothing)."""
         active = [sequence for sequence in sequences if not sequence.finished]
+        step_started = time.perf_counter()
         limit = self.target.context_length
         trees: list[DraftTree] = []
         contexts: list[tuple[int, ...]] = []
@@ -366,6 +396,9 @@ class Decoder:
             update(sequence, tree, verification, logits, context, event, hidden)
             sequence.stats.time_s = time.perf_counter() - sequence.started
             events_by_sequence[id(sequence)] = event
+        self._judge_by_throughput(len(active), any(len(tree) for tree in trees),
+                                  sum(len(verification.tokens) for verification, _ in verifications),
+                                  time.perf_counter() - step_started)
         return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]
 
 

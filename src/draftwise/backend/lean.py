@@ -302,8 +302,8 @@ class LeanTarget(Target):
     ) -> list[torch.Tensor]:
         """The decoder layers over each sequence's new rows (``tokens[i]`` at its cache length plus ``depths[i]``),
         all sequences' rows in the same products, each sequence's attention on its own cache; the rows' keys and
-        values are written into the caches after their lengths first (except those of ``deferred`` sequences). ``attend(layer, queries, keys, values)``
-        does every sequence's attention (given all new rows' queries, keys and values, one sequence after the
+        values are written into the caches after their lengths first (except those of ``deferred`` sequences).
+        ``attend(layer, queries, keys, values)`` does every sequence's attention (given all new rows' queries, keys and values, one sequence after the
         other) and returns its rows' outputs in the same order. ``skip`` names sub-layers left out (a layer-skipping
         draft: a skipped attention writes no keys or values). The sequences ``deferred`` (by index; their attention
         takes this forward's rows from the keys and values it is given) get every layer's keys and values written
@@ -331,25 +331,20 @@ class LeanTarget(Target):
         hidden = self.embedding[flat_tokens]
         skip_attention = skip.attention if skip is not None else frozenset()
         skip_mlp = skip.mlp if skip is not None else frozenset()
-        # The deferred sequences' rows, kept layer by layer until their caches are written.
-        kept = torch.tensor([row for sequence in sorted(deferred) for row in range(bounds[sequence], bounds[sequence + 1])],
-                            device=device) if deferred else None
+        # Every layer's keys and values, kept until the deferred sequences' caches are written.
         written: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if deferred else None
         for index, layer in enumerate(self.layers):
             if index not in skip_attention:
-                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written,
-                                               kept)
+                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written)
             if index not in skip_mlp:
                 gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
                 gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
                 hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
         if written:
-            all_keys = torch.stack([keys for keys, _ in written])  # (layers, kept rows, kv_heads, head_dim)
+            all_keys = torch.stack([keys for keys, _ in written])  # (layers, rows, kv_heads, head_dim)
             all_values = torch.stack([values for _, values in written])
-            first = 0
             for sequence in sorted(deferred):
-                self._write_rows(caches[sequence], all_keys, all_values, first, sizes[sequence])
-                first += sizes[sequence]
+                self._write_rows(caches[sequence], all_keys, all_values, bounds[sequence], sizes[sequence])
         states = self._rms_norm(hidden, self.norm)
         return [states[bounds[sequence] : bounds[sequence + 1]] for sequence in range(len(sizes))]
 
@@ -364,11 +359,9 @@ class LeanTarget(Target):
             cache.values[:, slot // self.block, :, offset : offset + count] = values[:, row : row + count].transpose(1, 2)
             slot, row = slot + count, row + count
 
-    def _attention_block(
-        self, index, layer, hidden, caches, slots, bounds, cos, sin, attend, written, kept
-    ) -> torch.Tensor:
-        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches (the
-        rows ``kept`` of sequences without slots are appended to ``written`` instead)."""
+    def _attention_block(self, index, layer, hidden, caches, slots, bounds, cos, sin, attend, written) -> torch.Tensor:
+        """One layer's attention sub-layer with its residual; writes the rows' keys and values into the caches of
+        sequences with slots, and appends them to ``written`` (when given) for the others."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = hidden.shape[0]
         qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
@@ -385,7 +378,7 @@ class LeanTarget(Target):
             cache.keys[index, slot[0], :, slot[1]] = keys[part]
             cache.values[index, slot[0], :, slot[1]] = values[part]
         if written is not None:
-            written.append((keys.index_select(0, kept), values.index_select(0, kept)))
+            written.append((keys, values))
         return hidden + layer.output(attend(index, queries, keys, values))
 
     def _outputs(

@@ -248,6 +248,10 @@ class Decoder:
     RATE_SMOOTHING = 0.2
     RATE_MIN_STEPS = 4
 
+    def _longer_pause(self, length: int) -> int:
+        """The next pause in drafting after one of ``length`` steps: 1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`."""
+        return min(max(1, 2 * length), self.MAX_DRAFT_PAUSE)
+
     def _judge_by_throughput(self, sequences: int, drafted: bool, tokens: int, seconds: float) -> None:
         """Of several sequences, pause drafting at this batch size while steps with drafts have emitted fewer tokens
         per second than steps without (moving averages of measured steps, drafting included), with the same backoff
@@ -263,7 +267,7 @@ class Decoder:
         if not drafted or any(rates.get(kind, (0.0, 0))[1] < self.RATE_MIN_STEPS for kind in (True, False)):
             return
         if rates[True][0] < rates[False][0]:
-            length = min(max(1, 2 * self._throughput_pauses.get(sequences, 0)), self.MAX_DRAFT_PAUSE)
+            length = self._longer_pause(self._throughput_pauses.get(sequences, 0))
             self._throughput_pauses[sequences] = length
             pause = self._pauses.setdefault(sequences, [0, 0])
             pause[0] = max(pause[0], length)
@@ -289,7 +293,7 @@ class Decoder:
         if with_drafts > without:
             pause[1] = 0
         else:
-            pause[1] = min(max(1, 2 * pause[1]), self.MAX_DRAFT_PAUSE)
+            pause[1] = self._longer_pause(pause[1])
             pause[0] = pause[1]
 
     def start(

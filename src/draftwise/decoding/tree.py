@@ -154,24 +154,17 @@ class DraftTree:
         node's score is the chance it is accepted), ties to the deeper path, then the earlier node; of an unscored
         tree, the deepest path."""
         scores = self.scores if self.scores is not None else (1.0,) * len(self.tokens)
-        # Children come after their parents: one pass from the last node up gives each node its best path below.
-        below: list[tuple[float, int, int]] = [(0.0, 0, -1)] * len(self.tokens)  # (sum, depth, best child)
-        best_top = (0.0, 0, -1)
+        # Children come after their parents: one pass from the last node up gives each node the best path below it,
+        # as (sum of scores, depth, -first node): the greatest wins, so ties go to the deeper path, then the earlier.
+        below: list[tuple[float, int, int]] = [(0.0, 0, 1)] * (len(self.tokens) + 1)  # by node; the root's last
         for node in range(len(self.tokens) - 1, -1, -1):
             total, depth, _ = below[node]
-            candidate = (scores[node] + total, depth + 1, node)
-            parent = self.parents[node]
-            current = best_top if parent == ROOT else below[parent]
-            if (candidate[0], candidate[1], -node) >= (current[0], current[1], -current[2]) or current[2] < 0:
-                if parent == ROOT:
-                    best_top = candidate
-                else:
-                    below[parent] = candidate
+            below[self.parents[node]] = max(below[self.parents[node]], (scores[node] + total, depth + 1, -node))
         path: list[int] = []
-        node = best_top[2]
+        node = -below[ROOT][2]
         while node >= 0:
             path.append(node)
-            node = below[node][2]
+            node = -below[node][2]
         return self if len(path) == len(self.tokens) else self._subtree(path)
 
     def _subtree(self, keep: Sequence[int]) -> DraftTree:

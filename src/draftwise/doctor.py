@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .backend.costs import cost_curve
+from .backend.costs import cost_curves
 from .backend.invariance import InvarianceReport, check_trees, plan_rows
 from .backend.machine import MeasurementStore, auto_dtype, cpu_flags, cpu_model, native_bf16, resolve_dtype
 from .models import DEFAULT_MODEL, load_model
@@ -32,6 +32,7 @@ class DtypeDiagnosis:
     exact_trees: bool
     report: InvarianceReport
     cost_ms: dict[int, float]
+    tree_cost_ms: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,7 +75,7 @@ def diagnose(
             if target.backend == "lean":
                 plan_rows(target, store)
             report = check_trees(target, trials=trials, steps=120, prompt_length=100, seed=17)
-            curve = cost_curve(target, store)
+            curves = cost_curves(target, store)
         diagnosis.dtypes.append(
             DtypeDiagnosis(
                 dtype=name,
@@ -83,7 +84,8 @@ def diagnose(
                 attention_min_rows=getattr(target, "attention_min_rows", None),
                 exact_trees=target.exact_trees and report.exact,
                 report=report,
-                cost_ms={rows: 1000 * seconds for rows, seconds in curve.items()},
+                cost_ms={rows: 1000 * seconds for rows, seconds in curves.chain.items()},
+                tree_cost_ms={rows: 1000 * seconds for rows, seconds in curves.tree.items()},
             )
         )
     return diagnosis
@@ -109,8 +111,11 @@ def as_rows(diagnosis: Diagnosis) -> list[dict[str, Any]]:
             "exact trees": f"yes ({item.report.rows_checked} rows)" if item.exact_trees else (
                 f"NO ({len(item.report.mismatches)} of {item.report.rows_checked} rows differ)"
             ),
-            "forward ms at 1/8/16/64 rows": " / ".join(
+            "chain ms at 1/8/16/64 rows": " / ".join(
                 f"{item.cost_ms[rows]:.1f}" for rows in (1, 8, 16, 64) if rows in item.cost_ms
             ),
+            "tree ms at 8/16/64 rows": " / ".join(
+                f"{item.tree_cost_ms[rows]:.1f}" for rows in (8, 16, 64) if rows in item.tree_cost_ms
+            ) or "-",
         })
     return rows

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .backend.costs import cost_curve
+from .backend.costs import cost_curves
 from .backend.invariance import plan_rows
 from .backend.kernels import use_grouped_query_sdpa, use_row_efficient_linear
 from .backend.lean import LeanTarget, unsupported_reason
@@ -299,7 +299,7 @@ def make_target(
             (:class:`~draftwise.backend.kernels.RowEfficientLinear`, grouped-query attention without head copies).
         calibrate: measure on this machine (or recall) the padding that makes verification rows exact
             (:func:`~draftwise.backend.invariance.plan_rows`) and the forward's cost by row count
-            (:func:`~draftwise.backend.costs.cost_curve`); a few seconds the first time, kept per machine.
+            (:func:`~draftwise.backend.costs.cost_curves`); a few seconds the first time, kept per machine.
         cache_dir: where those measurements are kept (default ``~/.cache/draftwise/machine``).
     """
     if backend not in BACKENDS:
@@ -318,7 +318,8 @@ def make_target(
             use_grouped_query_sdpa(model)
         target = TransformersTarget(model)
     if calibrate:
-        target.cost_prior = cost_curve(target, store)
+        curves = cost_curves(target, store)
+        target.cost_prior, target.tree_cost_prior = curves.chain, curves.tree
     return target
 
 

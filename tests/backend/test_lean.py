@@ -12,7 +12,7 @@ from tiny import drafter_for, make_tiny_model, planned, repetitive_prompt
 
 import draftwise
 from draftwise.backend import invariance
-from draftwise.backend.costs import cost_curve
+from draftwise.backend.costs import cost_curves
 from draftwise.backend.invariance import InvarianceReport, check_trees, plan_rows
 from draftwise.backend.lean import BLOCK, LeanTarget, unsupported_reason
 from draftwise.backend.machine import MeasurementStore, auto_dtype, resolve_dtype
@@ -174,9 +174,11 @@ def test_plan_is_kept_per_machine_and_a_failing_check_turns_drafting_off(tmp_pat
 def test_cost_curve_is_measured_once(tmp_path):
     target = LeanTarget(model_in("llama", torch.float32))
     store = MeasurementStore(tmp_path)
-    curve = cost_curve(target, store)
-    assert set(curve) >= {1, 8, 64} and all(seconds > 0 for seconds in curve.values())
-    assert cost_curve(target, store, measure=False) == curve
+    assert cost_curves(target, store, measure=False) is None
+    curves = cost_curves(target, store)
+    assert set(curves.chain) >= {1, 8, 64} and all(seconds > 0 for seconds in curves.chain.values())
+    assert min(curves.tree) == 3 and 64 in curves.tree and all(seconds > 0 for seconds in curves.tree.values())
+    assert cost_curves(target, store, measure=False) == curves
 
 
 def test_unsupported_models_are_refused_or_run_by_transformers(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from draftwise.decoding.engine import size_trees
@@ -110,3 +112,44 @@ def test_plain_batch_steps_do_not_pull_down_the_price_of_steps_with_drafts():
     for _ in range(20):
         latency.record(4, 1.0, sequences=4)
     assert latency.cost(6, 4) == 2.0
+
+
+def two_paths(first, second):
+    """Two paths below the root with these scores (each non-increasing with depth)."""
+    tokens = tuple(range(1, len(first) + len(second) + 1))
+    parents = (-1, *range(len(first) - 1), -1, *range(len(first), len(first) + len(second) - 1))
+    return DraftTree(tokens, parents, (*first, *second))
+
+
+def test_chains_and_trees_are_priced_and_learned_apart():
+    latency = LatencyModel(prior={1: 1.0, 8: 2.0}, tree_prior={3: 1.5, 8: 3.0})
+    assert latency.cost(8) == 2.0 and latency.cost(8, tree=True) == 3.0
+    latency.record(8, 0.020)  # a chain: trees are estimated from it by the priors' ratio until one is measured
+    assert latency.cost(8, tree=True) == pytest.approx(0.030)
+    latency.record(8, 0.050, tree=True)
+    assert latency.cost(8, tree=True) == pytest.approx(0.050)
+    assert latency.cost(8) == pytest.approx(0.020)
+    latency.record(9, 0.040, sequences=4, tree=True)
+    assert latency.cost(8, 4) == pytest.approx(0.020)  # no chains measured at batch 4: batch 1's chains
+    assert LatencyModel(prior={1: 1.0, 2: 2.0}).cost(2, tree=True) == 2.0  # no tree prior: trees cost as chains
+
+
+def test_latency_model_of_a_target_takes_both_measured_curves():
+    measured = SimpleNamespace(cost_prior={1: 0.010, 8: 0.020}, tree_cost_prior={3: 0.015, 8: 0.030})
+    latency = LatencyModel.of(measured)
+    assert latency.cost(8) == 0.020 and latency.cost(8, tree=True) == 0.030
+    assert LatencyModel.of(object()).cost(16) == GENERIC_PRIOR[16]
+
+
+def test_a_tree_gives_way_to_its_best_path_when_branching_costs_more():
+    tree = two_paths([0.9, 0.8, 0.7], [0.6, 0.5])
+    alike = LatencyModel(prior={1: 1.0, 6: 1.0, 7: 7.0})
+    assert size_trees([tree], alike)[0] == tree  # branching costs nothing more: the whole tree
+    dear = LatencyModel(prior={1: 1.0, 6: 1.0, 7: 7.0}, tree_prior={3: 1.6, 6: 1.6, 7: 7.0})
+    [path] = size_trees([tree], dear)  # (1 + 2.4) / 1.0 beats (1 + 3.5) / 1.6
+    assert path.is_chain and path.tokens == (1, 2, 3)
+    cheap = LatencyModel(prior={1: 1.0, 6: 1.0, 7: 7.0}, tree_prior={3: 1.2, 6: 1.2, 7: 7.0})
+    assert size_trees([tree], cheap)[0] == tree  # (1 + 3.5) / 1.2 beats (1 + 2.4) / 1.0
+    # Three nodes of one path first: a kept set that does not branch is priced as a chain.
+    few = LatencyModel(prior={1: 1.0, 4: 1.0, 5: 9.0}, tree_prior={3: 9.0})
+    assert size_trees([tree], few)[0].tokens == (1, 2, 3)

@@ -490,3 +490,9 @@ def test_tree_position_ids_property(tree, length):
     positions = tree_position_ids([tree], [length], "cpu")[0].tolist()
     assert positions[0] == length
     assert positions[1:] == [length + depth for depth in tree.depths]
+
+
+def test_is_chain():
+    assert DraftTree().is_chain and DraftTree.chain([4, 5, 6]).is_chain
+    assert not DraftTree((4, 5), (-1, -1)).is_chain
+    assert not DraftTree((4, 5, 6), (-1, 0, 0)).is_chain

@@ -16,6 +16,12 @@ from draftwise.decoding.verify import greedy_choice, verify_greedy
 def test_greedy_choice_breaks_ties_to_lowest_id():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -3.0]])
     assert greedy_choice(logits).tolist() == [1, 0, 2]
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        assert greedy_choice(logits.to(dtype)).tolist() == [1, 0, 2]
+    close = torch.tensor([[1.0, 1.0 + 2**-20]], dtype=torch.float64)  # equal once narrowed to float32
+    assert greedy_choice(close).tolist() == [1]
+    wide = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(greedy_choice(wide), torch.argmax(wide, dim=-1))
 
 
 def test_empty_tree_emits_the_root_choice():

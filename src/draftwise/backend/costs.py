@@ -1,7 +1,7 @@
-"""The verification forward's cost by row count, measured on the running machine.
+"""The verification forward's cost by row count, of chains and of trees, measured on the running machine.
 
 How much a draft node costs decides how big a tree pays, and it differs a lot between machines: on one CPU a
-16-row forward costs twice a one-row forward, on another barely more, on a GPU nothing. The curve is measured once
+16-row forward costs twice a one-row forward, on another barely more, on a GPU nothing. The curves are measured once
 per model, dtype and machine (a few seconds), kept on disk, and handed to the engine's latency model as its prior;
 the engine goes on refining it from the forwards it runs.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,46 +19,75 @@ from .invariance import model_shape
 from .machine import MeasurementStore, machine_key
 from .rows import RowBlock
 
-#: Row counts the curve is measured at (the latency model interpolates between them).
+#: Row counts the curves are measured at (the latency model interpolates between them); trees from three rows (the
+#: root and two children).
 CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-CURVE_VERSION = 1
+#: 2: chains and trees measured together (a chain's forward got leaner than a tree's, so curves kept from before
+#: say nothing about either).
+CURVE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class CostCurves:
+    """Median forward seconds by row count of chains (each row follows the one before it) and of trees (rows that
+    branch): a target may verify a chain on a leaner path than a tree of as many rows."""
+
+    chain: dict[int, float]
+    tree: dict[int, float]
+
+
+def two_branches(count: int) -> tuple[int, ...]:
+    """Row parents of a ``count``-row tree: the root, then two paths below it taking rows in turn (the shape of
+    prompt lookup's two best matches)."""
+    return (-1, *(0 if row <= 2 else row - 2 for row in range(1, count)))
 
 
 @torch.inference_mode()
-def measure_cost_curve(
+def measure_cost_curves(
     target: Any, rows: tuple[int, ...] = CURVE_ROWS, cache_length: int = 512, repeats: int = 3
-) -> dict[int, float]:
+) -> CostCurves:
     """Median seconds of a verification forward of each row count in ``rows`` over ``cache_length`` cached
-    positions (chain-shaped rows; the tree's shape does not change the work)."""
+    positions, of a chain and (from three rows) of a :func:`two_branches` tree, taken in turn so that both curves
+    see the machine in the same state."""
     vocab = target.config.vocab_size
     cache_length = min(cache_length, target.context_length - max(rows) - 1)
     cache = target.new_cache(cache_length + max(rows) + 1)
     target.prefill([cache], [[(7 * position) % vocab for position in range(cache_length)]])
-    curve: dict[int, float] = {}
+    seconds: dict[str, dict[int, list[float]]] = {"chain": {}, "tree": {}}
     for count in rows:
-        block = RowBlock.chain([(11 * row) % vocab for row in range(count)])
-        target.forward([cache], [block])  # warm this shape up
-        seconds = []
+        tokens = tuple((11 * row) % vocab for row in range(count))
+        blocks = {"chain": RowBlock.chain(tokens)}
+        if count >= 3:
+            blocks["tree"] = RowBlock(tokens, two_branches(count))
+        for block in blocks.values():
+            target.forward([cache], [block])  # warm this shape up
         for _ in range(repeats):
-            started = time.perf_counter()
-            target.forward([cache], [block])
-            seconds.append(time.perf_counter() - started)
-        curve[count] = statistics.median(seconds)
-    return curve
+            for shape, block in blocks.items():
+                started = time.perf_counter()
+                target.forward([cache], [block])
+                seconds[shape].setdefault(count, []).append(time.perf_counter() - started)
+    medians = {shape: {count: statistics.median(times) for count, times in by_rows.items()}
+               for shape, by_rows in seconds.items()}
+    return CostCurves(medians["chain"], medians["tree"])
 
 
-def cost_curve(target: Any, store: MeasurementStore | None = None, measure: bool = True) -> dict[int, float] | None:
-    """The target's cost curve: recalled from this machine's measurements, else measured (when ``measure``) and
+def cost_curves(target: Any, store: MeasurementStore | None = None, measure: bool = True) -> CostCurves | None:
+    """The target's cost curves: recalled from this machine's measurements, else measured (when ``measure``) and
     kept."""
     store = store if store is not None else MeasurementStore()
     key = machine_key(target.device, target.dtype, {**model_shape(target), "backend": target.backend})
     record = store.load(key)
-    saved = record.get("cost_curve")
+    saved = record.get("cost_curves")
     if saved and saved.get("version") == CURVE_VERSION:
-        return {int(rows): float(seconds) for rows, seconds in saved["seconds"].items()}
+        return CostCurves(*({int(rows): float(value) for rows, value in saved[shape].items()}
+                            for shape in ("chain", "tree")))
     if not measure:
         return None
-    curve = measure_cost_curve(target)
-    record["cost_curve"] = {"version": CURVE_VERSION, "seconds": {str(rows): value for rows, value in curve.items()}}
+    curves = measure_cost_curves(target)
+    record.pop("cost_curve", None)  # (the chain curve alone, before version 2)
+    record["cost_curves"] = {
+        "version": CURVE_VERSION,
+        **{shape: {str(rows): value for rows, value in getattr(curves, shape).items()} for shape in ("chain", "tree")},
+    }
     store.save(key, record)
-    return curve
+    return curves

@@ -44,7 +44,7 @@ class Target(ABC):
     Attributes:
         model: the transformers model behind it (the reference: configuration, generation config, ``generate``).
         backend: which forward runs it (``"lean"``: the engine's own, ``"transformers"``: the model's public one).
-        exact_trees: see below; cost_prior: see below.
+        exact_trees, cost_prior, tree_cost_prior: see below.
     """
 
     model: Any
@@ -57,6 +57,8 @@ class Target(ABC):
     exact_trees: bool = True
     #: Forward seconds by row count measured on this machine (:mod:`draftwise.backend.costs`), if measured.
     cost_prior: dict[int, float] | None = None
+    #: The same for trees (rows that branch), if measured.
+    tree_cost_prior: dict[int, float] | None = None
     #: Whether several sequences' chains of rows are verified on a leaner path than their trees (so that a batch's
     #: drafts are cut to their best path).
     batch_chains: bool = False

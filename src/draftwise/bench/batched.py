@@ -120,7 +120,7 @@ def run_batched(
     if not prompt_ids:
         raise InvalidRequestError("no prompts selected")
     sizes = sorted({1, *batch_sizes})
-    latency = LatencyModel(prior=as_target(model).cost_prior)
+    latency = LatencyModel.of(as_target(model))
     sampling = sampling or SamplingParams()
     if warm_up_ids is not None:
         for drafter in drafters.values():

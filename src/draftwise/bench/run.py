@@ -333,7 +333,7 @@ def run_bench(
         raise InvalidRequestError("hf-assisted needs a draft model (--draft-model)")
     eos = eos_token_ids(model, tokenizer)
     rows = plan_rows(methods, budgets)
-    latency = LatencyModel(prior=as_target(model).cost_prior)
+    latency = LatencyModel.of(as_target(model))
     meter = PeakMemoryMeter(model.device)
     if drafters is None:
         drafters = build_drafters(rows)

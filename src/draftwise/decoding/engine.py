@@ -125,9 +125,22 @@ def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftT
     Every sequence's root row is verified anyway; of all scored nodes, across the sequences, the best ``k`` are kept
     with ``k`` maximising expected tokens per second, ``(sequences + sum of kept scores) / time(rows)``, so a large
     batch, whose forward already costs more per row, verifies fewer drafts, none once they stop paying. Unscored
-    trees are verified whole.
+    trees are verified whole. Where a kept set branches, the forward is priced as a tree's, and the same choice over
+    each tree's best path alone (priced as chains) wins when it gives more tokens per second.
     """
+    sized, rate = _best_nodes(trees, latency)
+    if any(tree.scores is not None and not tree.is_chain for tree in trees):
+        paths, path_rate = _best_nodes([tree if tree.scores is None else tree.best_path() for tree in trees], latency)
+        if path_rate > rate:
+            return paths
+    return sized
+
+
+def _best_nodes(trees: Sequence[DraftTree], latency: LatencyModel) -> tuple[list[DraftTree], float]:
+    """:func:`size_trees`'s cut of ``trees`` (their best nodes across sequences) and its expected tokens per
+    second."""
     rows = sum(1 + (len(tree) if tree.scores is None else 0) for tree in trees)
+    branching = any(tree.scores is None and not tree.is_chain for tree in trees)
     expected = float(rows)
     ranked = sorted(
         (
@@ -138,16 +151,22 @@ def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftT
         )
     )
     sequences = len(trees)
-    best_count, best_rate = 0, expected / latency.cost(rows, sequences)
-    for count, (negative_score, *_rest) in enumerate(ranked, 1):
+    best_count, best_rate = 0, expected / latency.cost(rows, sequences, branching)
+    # A parent comes before its children in this order (its score is at least theirs, and it is shallower), so the
+    # first ``count`` nodes are closed under parents; they branch once two of them share a parent.
+    parents_taken: set[tuple[int, int]] = set()
+    for count, (negative_score, _, index, node) in enumerate(ranked, 1):
         expected -= negative_score
-        rate = expected / latency.cost(rows + count, sequences)
+        parent = (index, trees[index].parents[node])
+        branching = branching or parent in parents_taken
+        parents_taken.add(parent)
+        rate = expected / latency.cost(rows + count, sequences, branching)
         if rate > best_rate:
             best_count, best_rate = count, rate
     kept = [0] * len(trees)
     for _, _, index, _ in ranked[:best_count]:
         kept[index] += 1
-    return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)]
+    return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)], best_rate
 
 
 def scored_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
@@ -234,7 +253,7 @@ class Decoder:
         self.target: Target = as_target(target)
         # A target whose verification rows are not bitwise plain decoding's here verifies no drafts.
         self.budget = budget if self.target.exact_trees else 0
-        self.latency = latency if latency is not None else LatencyModel(prior=self.target.cost_prior)
+        self.latency = latency if latency is not None else LatencyModel.of(self.target)
         # By batch size: steps left without drafting, and the current pause length (see _judge_drafting).
         self._pauses: dict[int, list[int]] = {}
         # By batch size: measured tokens per second of steps with and without drafts (see _judge_by_throughput).
@@ -287,7 +306,8 @@ class Decoder:
         sequences = len(trees)
         kept = sum(len(tree) for tree in trees)
         expected = sequences + sum(sum(tree.scores) for tree in trees)
-        with_drafts = expected / (self.latency.cost(sequences + kept, sequences) + draft_seconds)
+        branching = any(not tree.is_chain for tree in trees)
+        with_drafts = expected / (self.latency.cost(sequences + kept, sequences, branching) + draft_seconds)
         without = sequences / self.latency.cost(sequences, sequences)
         pause = self._pauses.setdefault(sequences, [0, 0])
         if with_drafts > without:
@@ -389,7 +409,8 @@ class Decoder:
             verify(logits, tree, context, sequence.sampling, sequence.draws)
             for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
         ]
-        self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started, len(trees))
+        self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started, len(trees),
+                            tree=any(not tree.is_chain for tree in trees))
         events_by_sequence: dict[int, StepEvent] = {}
         for index, (sequence, tree, context, (verification, logits)) in enumerate(
             zip(active, trees, contexts, verifications)

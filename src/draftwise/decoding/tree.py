@@ -178,6 +178,11 @@ class DraftTree:
         )
 
     @property
+    def is_chain(self) -> bool:
+        """Whether no node has two children (the empty tree is a chain)."""
+        return len(self._with_children) == len(self.parents)
+
+    @property
     def depths(self) -> tuple[int, ...]:
         """Depth of each node (a child of the root has depth 1)."""
         return self._depths

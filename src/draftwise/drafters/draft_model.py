@@ -213,10 +213,12 @@ def worth_another_level(
     scores: Sequence[float],
     budget: int,
     seconds_so_far: float,
+    tree: bool = False,
 ) -> bool:
     """Whether drafting one more level (a forward of ``rows`` draft rows expected to add ``expected_gain`` accepted
     tokens) raises the step's expected tokens per second: ``(1 + kept scores) / (verification + drafting time)``,
-    with the verification of the best ``budget`` nodes priced by the engine's cost model."""
+    with the verification of the best ``budget`` nodes priced by the engine's cost model (as a tree's when
+    ``tree``)."""
     if latency is None:
         return True
     level_seconds = clock.estimate(rows)
@@ -224,8 +226,8 @@ def worth_another_level(
         return True  # not measured yet: measure it
     kept = sorted(scores, reverse=True)[:budget]
     tokens = 1.0 + sum(kept)
-    now = tokens / (latency.cost(1 + len(kept)) + seconds_so_far)
-    verify_after = latency.cost(1 + min(budget, len(kept) + max(1, round(expected_gain))))
+    now = tokens / (latency.cost(1 + len(kept), tree=tree) + seconds_so_far)
+    verify_after = latency.cost(1 + min(budget, len(kept) + max(1, round(expected_gain))), tree=tree)
     after = (tokens + expected_gain) / (verify_after + seconds_so_far + level_seconds)
     return after > now
 
@@ -401,7 +403,8 @@ class DraftModelDrafter(Drafter):
                 rows = 1 if self.width == 1 else len(growth.path_rows(expand)[0])
                 gain = sum(growth.expected_child_gain(node) for node in expand)
                 if self.adaptive and not worth_another_level(
-                    self._latency, clock, rows, gain, growth.scores, budget, time.perf_counter() - started
+                    self._latency, clock, rows, gain, growth.scores, budget, time.perf_counter() - started,
+                    tree=self.width > 1,
                 ):
                     break
                 level_started = time.perf_counter()

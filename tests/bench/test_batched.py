@@ -24,12 +24,21 @@ def test_parse_batch_sizes_adds_the_reference():
 def test_run_batched_rows_exact_and_table(tiny_llama, tmp_path):
     rng = random.Random(5)
     prompt_ids = [repetitive_prompt(rng, low=6, high=40) for _ in range(6)]
-    drafters = {"ar": make_drafter("ar"), "pld": make_drafter("pld")}
+    made = []
+
+    def maker(method):
+        def make():
+            made.append(method)
+            return make_drafter(method)
+        return make
+
+    drafters = {"ar": maker("ar"), "pld": maker("pld")}
     seen = []
     records = run_batched(tiny_llama, ChatCharTokenizer(), prompt_ids, drafters, [4], 20,
                           warm_up_ids=prompt_ids[0], on_record=seen.append)
     assert [(record.label, record.batch_size) for record in records] == [("ar", 1), ("ar", 4), ("pld", 1), ("pld", 4)]
     assert seen == records
+    assert made == ["ar", "ar", "pld", "pld"]  # every batch size starts from a fresh drafter
     for record in records:
         assert record.exact == record.prompts == 6 and record.exact_vs_ar == 6
         assert record.new_tokens == sum(len(ids) for ids in record.token_ids) == 6 * 20
@@ -46,6 +55,6 @@ def test_run_batched_rows_exact_and_table(tiny_llama, tmp_path):
 
 def test_run_batched_needs_ar_and_prompts(tiny_llama):
     with pytest.raises(InvalidRequestError, match="ar"):
-        run_batched(tiny_llama, None, [[1, 2]], {"pld": make_drafter("pld")}, [2], 4)
+        run_batched(tiny_llama, None, [[1, 2]], {"pld": lambda: make_drafter("pld")}, [2], 4)
     with pytest.raises(InvalidRequestError, match="prompts"):
-        run_batched(tiny_llama, None, [], {"ar": make_drafter("ar")}, [2], 4)
+        run_batched(tiny_llama, None, [], {"ar": lambda: make_drafter("ar")}, [2], 4)

@@ -103,17 +103,21 @@ def run_batched(
     model: Any,
     tokenizer: Any,
     prompt_ids: Sequence[Sequence[int]],
-    drafters: dict[str, Drafter],
+    drafters: dict[str, Callable[[], Drafter]],
     batch_sizes: Sequence[int],
     max_new_tokens: int,
     sampling: SamplingParams | None = None,
     warm_up_ids: Sequence[int] | None = None,
     on_record: Callable[[BatchRecord], None] | None = None,
 ) -> list[BatchRecord]:
-    """Run every row (``drafters``, by label, ``ar`` among them) at every batch size over all of ``prompt_ids``.
+    """Run every row (``drafters``: a function making each row's drafter, by label, ``ar`` among them) at every batch
+    size over all of ``prompt_ids``.
 
-    Each row keeps its drafter across batch sizes (a batch forks it per sequence, sharing what it learns) and all
-    rows share one forward-time model. Batch size 1 runs first and is each row's reference.
+    Every (row, batch size) starts from a drafter made afresh (a batch forks it per sequence, sharing what it learns)
+    and warmed up on ``warm_up_ids`` at that batch size: a drafter that learns across requests (ADED's n-gram matrix,
+    Token Recycling's table, Lookahead's pool) would otherwise meet, from the second batch size on, the very outputs
+    it learned at the first. All rows share one forward-time model. Batch size 1 runs first and is each row's
+    reference.
     """
     if "ar" not in drafters:
         raise InvalidRequestError("the rows need 'ar': it is the reference")
@@ -122,15 +126,14 @@ def run_batched(
     sizes = sorted({1, *batch_sizes})
     latency = LatencyModel.of(as_target(model))
     sampling = sampling or SamplingParams()
-    if warm_up_ids is not None:
-        for drafter in drafters.values():
-            for size in sizes:
-                generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
-                         max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
     records: list[BatchRecord] = []
     reference: dict[str, list[list[int]]] = {}
-    for label, drafter in drafters.items():
+    for label, make in drafters.items():
         for size in sizes:
+            drafter = make()
+            if warm_up_ids is not None:
+                generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
+                         max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
             started = time.perf_counter()
             results = generate(model, tokenizer, prompt_ids=[list(ids) for ids in prompt_ids], method=drafter,
                                max_new_tokens=max_new_tokens, latency=latency, sampling=sampling, max_batch=size)

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -599,7 +600,8 @@ class Benchmark:
                                       "--turns and --repeats")
         prompt_ids = [_encode(self.tokenizer, prompt.conversation(1, []), settings.chat_template)
                       for prompt in self.prompts]
-        drafters = {row.label: self.drafters[row.label] for row in self.rows if not row.is_external}
+        # (each batch size gets fresh drafters, see run_batched)
+        drafters = {row.label: partial(make_drafter, row.method) for row in self.rows if not row.is_external}
         warm_up = _encode(self.tokenizer, WARMUP_PROMPT, settings.chat_template)
         return run_batched(self.model, self.tokenizer, prompt_ids, drafters, batch_sizes, settings.max_new_tokens,
                            settings.sampling, warm_up, on_record)

@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="user turns to measure; later turns follow ar's answer to the first (default 1)")
     bench.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (first turns only)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=1, help="timed runs of each prompt and method (medians reported)")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="timed passes over the prompts, each with fresh drafters (medians reported)")
     bench.add_argument("--sweep", default=None, help="run each drafting method at several draft budgets: budget=4,8,16")
     bench.add_argument("--draft-model", default=None, help="draft model of the hf-assisted row (preset, GGUF or folder)")
     bench.add_argument("--out", default=None, help="append each run to this jsonl results file as it finishes")

@@ -541,6 +541,28 @@ def test_plain_text_prompts(tiny_llama):
         run_bench(tiny_llama, CharTokenizer(), char_prompts(1), ["ar"], 4, warmup=False)
 
 
+def test_every_repeat_starts_from_fresh_drafters(tiny_llama):
+    from draftwise.drafters import PromptLookupDrafter, make_drafter
+
+    class Counting(PromptLookupDrafter):
+        def __init__(self):
+            super().__init__()
+            self.prompts = []
+
+        def reset(self, prompt):
+            super().reset(prompt)
+            self.prompts.append(tuple(prompt))
+
+    counting = Counting()
+    prompts = char_prompts(2)
+    records = run_bench(tiny_llama, ChatCharTokenizer(), prompts, ["ar", "pld"], 8, warmup=False, repeats=3,
+                        drafters={"ar": make_drafter("ar"), "pld": counting})
+    # The given drafter served the first pass only: a drafter that learns never meets an output it has seen.
+    assert len(counting.prompts) == len(prompts)
+    assert sorted(record.repeat for record in records if record.label == "pld") == [0, 0, 1, 1, 2, 2]
+    assert summarize(records)[OVERALL]["pld"]["exact_match_vs_ar"] == 1.0
+
+
 def test_repeats_sweep_and_assisted(tiny_llama):
     from tiny import make_tiny_model
 

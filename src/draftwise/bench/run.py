@@ -308,7 +308,7 @@ def run_bench(
         on_progress: called after each timed run with the row's label, the prompt and the row's tokens/s so far.
         turns: which user turns to measure (1-based); a later turn is asked after ``ar``'s answer to the turns
             before it, generated once if that turn is not measured itself.
-        repeats: timed runs of each (prompt, turn, row), interleaved per prompt.
+        repeats: timed passes over all prompts; every pass starts from fresh drafters (see below).
         budgets: run each drafting draftwise method at each of these draft budgets (see :func:`plan_rows`).
         chat_template: feed prompts through the tokenizer's chat template (plain text otherwise: first turns
             only).
@@ -318,9 +318,10 @@ def run_bench(
         drafters: each draftwise row's drafter by row label (see :func:`build_drafters`; built here when not given).
         anchors: the llama.cpp rows' runners by row name (:class:`~draftwise.bench.anchors.LlamaCppRunner`).
 
-    Each row keeps one drafter for the whole run, warm-up included (what it learns carries over between prompts, as
-    it would in a server), and all rows share one forward-time model of this model on this machine. A resumed run
-    starts both afresh.
+    Each row keeps one drafter for a whole pass over the prompts, warm-up included (what it learns carries over
+    between prompts, as it would in a server), and all rows share one forward-time model of this model on this
+    machine. Each further repeat is another pass with drafters made afresh (and warmed up again), so that a drafter
+    that learns from outputs never meets a prompt whose output it has already seen. A resumed run starts all afresh.
     """
     if repeats < 1:
         raise InvalidRequestError(f"repeats must be at least 1, got {repeats}")
@@ -356,16 +357,20 @@ def run_bench(
             )
         else:
             measured = measure_draftwise(
-                model, tokenizer, drafters[row.label], prompt_ids, tokens, row.budget, latency, sampling
+                model, tokenizer, pass_drafters[row.label], prompt_ids, tokens, row.budget, latency, sampling
             )
         measured.peak_memory_bytes = meter.peak_bytes()
         return measured
 
-    if warmup and prompts:
-        warm_up = _encode(tokenizer, WARMUP_PROMPT, chat_template)
-        for row in rows:
-            measure(row, warm_up, min(WARMUP_TOKENS, max_new_tokens))
+    pass_drafters = drafters
 
+    def warm_up_rows() -> None:
+        if warmup and prompts:
+            warm_up = _encode(tokenizer, WARMUP_PROMPT, chat_template)
+            for row in rows:
+                measure(row, warm_up, min(WARMUP_TOKENS, max_new_tokens))
+
+    warm_up_rows()
     records = list(previous)
     done = {record.key for record in records}
     answers: dict[tuple[Any, int], list[int]] = {}  # ar's answer to each (question, turn), for later turns
@@ -385,16 +390,19 @@ def run_bench(
         if on_record is not None:
             on_record(record)
 
-    for prompt in prompts:
-        for turn in range(1, min(max(turns), prompt.turn_count) + 1):
-            earlier = [_decode(tokenizer, answers[(prompt.question_id, before)]) for before in range(1, turn)]
-            prompt_ids = _encode(tokenizer, prompt.conversation(turn, earlier), chat_template)
-            if turn not in turns:
-                if (prompt.question_id, turn) not in answers:
-                    measured = measure(Row("ar"), prompt_ids, max_new_tokens)
-                    keep(_record(Row("ar"), prompt, turn, 0, measured, context_only=True))
-                continue
-            for repeat in range(repeats):
+    for repeat in range(repeats):
+        if repeat:
+            pass_drafters = build_drafters(rows)
+            warm_up_rows()
+        for prompt in prompts:
+            for turn in range(1, min(max(turns), prompt.turn_count) + 1):
+                earlier = [_decode(tokenizer, answers[(prompt.question_id, before)]) for before in range(1, turn)]
+                prompt_ids = _encode(tokenizer, prompt.conversation(turn, earlier), chat_template)
+                if turn not in turns:
+                    if repeat == 0 and (prompt.question_id, turn) not in answers:
+                        measured = measure(Row("ar"), prompt_ids, max_new_tokens)
+                        keep(_record(Row("ar"), prompt, turn, 0, measured, context_only=True))
+                    continue
                 for row in rows:
                     if (row.label, prompt.question_id, turn, repeat) in done:
                         continue

@@ -6,11 +6,20 @@ cache after its committed length: a kept attention layer reads the context's rea
 draft rows' there, a skipped one writes nothing. Those slots are scratch that every verification forward overwrites,
 and the cache is rolled back to its committed length after each proposal, so the target's cache is never changed.
 
-**The skip set is searched online.** Each candidate drafts for a few steps and is scored by the tokens per second its
-steps delivered (accepted drafts plus the target's own token, over the target's and the draft's time). The first
-candidate skips the middle layers' attentions (then their MLPs); the next ones are random sets of the configured
-size or, mostly, mutations of the best one (a skipped sub-layer swapped for a kept one): a random search over the
-sets. Once the trials are spent the best set is kept.
+**The skip set is searched online, as SWIFT does.** A candidate set is scored by its *matchness*: the share of a
+window of tokens the model already generated (the first ``window + 1`` of a sequence's output) whose next token the
+skipped model's argmax predicts, all positions in one forward of the skipped model over the committed cache
+(:meth:`~draftwise.backend.lean.LeanTarget.skipped_predictions`, which leaves the cache bitwise as it was). One
+candidate is scored per decoding step, drafted or not (a set that does not pay must not stall the search): random sets
+of the configured size, and every ``bayes_interval``-th one the suggestion of a Bayesian optimiser (a Gaussian process
+over the sets scored so far, by `bayesian-optimization`_). A candidate that scores above the best replaces it; the
+best is scored again on every new sequence's window and ranked by its mean (one lucky window must not crown a set).
+The search stops once the best reaches ``target_match``, after ``patience`` candidates without improvement or
+``trials`` in all, and it gives up (and drafting with it) when even drafts accepted as often as the best set matches
+could not pay for their forwards at the measured costs. It takes at most ``search_share`` of the decoding time, counts
+as drafting time, and is shared by every sequence a drafter serves.
+
+.. _bayesian-optimization: https://github.com/bayesian-optimization/BayesianOptimization
 
 **Drafting stops when the draft is unsure:** a chain continues while the skipped model's probability of its own
 token stays above ``threshold`` and the next level's expected accepted tokens are worth its cost.
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from bayes_opt import BayesianOptimization, acquisition
 
 from ..backend.lean import LayerSkip, LeanTarget
 from ..backend.rows import RowBlock
@@ -52,44 +62,59 @@ def as_layer_skip(skipped: frozenset[SubLayer]) -> LayerSkip:
     )
 
 
-@dataclass
-class Trial:
-    """One candidate skip set and what its steps delivered."""
+def chain_speedup(match: float, level_seconds: float, latency: LatencyModel, depth: int) -> float:
+    """The best speedup over plain steps of draft chains up to ``depth`` long whose tokens are each accepted with
+    probability ``match``, a draft level costing ``level_seconds`` and verification priced by ``latency``."""
+    plain, tokens, reach, best = latency.cost(1), 1.0, 1.0, 0.0
+    for length in range(1, depth + 1):
+        reach *= match
+        tokens += reach
+        best = max(best, tokens * plain / (length * level_seconds + latency.cost(length + 1)))
+    return best
 
-    skipped: frozenset[SubLayer]
-    steps: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
 
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+def matchness(predicted: torch.Tensor, actual: Sequence[int]) -> float:
+    """Share of positions where the skipped model's greedy token (``predicted[i]``) is the token that came next."""
+    expected = torch.as_tensor(list(actual), dtype=predicted.dtype, device=predicted.device)
+    return float((predicted[: len(expected)] == expected).float().mean()) if len(expected) else 0.0
 
 
 @dataclass
 class SkipSearch:
-    """Online random search over skip sets of ``size`` sub-layers (see the module docstring).
+    """SWIFT's online search over skip sets of ``size`` sub-layers (see the module docstring).
 
     Args:
         layers: the target's layer count.
         ratio: share of the skippable sub-layers left out.
-        trials: candidates evaluated before the best is kept for good.
-        steps_per_trial: drafting steps that score a candidate.
-        seed: seed of the search's random choices.
+        trials: most candidates scored.
+        patience: stop after this many candidates in a row that did not beat the best.
+        target_match: stop once the best set's matchness reaches this.
+        bayes_interval: every this many candidates, the Bayesian optimiser's suggestion instead of a random set.
+        seed: seed of the random sets and of the optimiser.
     """
 
     layers: int
     ratio: float = 0.45
-    trials: int = 24
-    steps_per_trial: int = 6
+    trials: int = 200
+    patience: int = 60
+    target_match: float = 0.93
+    bayes_interval: int = 25
     seed: int = 0
-    history: list[Trial] = field(default_factory=list)
+    #: Every scored candidate and its matchness, in order.
+    history: list[tuple[frozenset[SubLayer], float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
         self._pool = skippable(self.layers)
         self.size = round(self.ratio * len(self._pool))
-        self.current = Trial(self._first())
+        self.best: frozenset[SubLayer] = self._first()
+        self.best_match = -1.0
+        self.given_up = False
+        #: Score the best set again next (set for every new sequence: a new window of text).
+        self.rescore = False
+        self._scores: dict[frozenset[SubLayer], list[float]] = {}
+        self._since_best = 0
+        self._optimiser: BayesianOptimization | None = None
 
     def _first(self) -> frozenset[SubLayer]:
         # Start from the attentions of the middle layers, then their MLPs: on SmolLM2, skipping five middle
@@ -100,42 +125,62 @@ class SkipSearch:
 
     @property
     def searching(self) -> bool:
-        return len(self.history) < self.trials
-
-    @property
-    def best(self) -> Trial:
-        scored = [trial for trial in self.history if trial.steps] + ([self.current] if self.current.steps else [])
-        return max(scored, key=lambda trial: trial.rate, default=self.current)
+        return bool(self._pool) and self.size > 0 and not self.given_up and len(self.history) < self.trials and (
+            self.best_match < self.target_match and self._since_best < self.patience
+        )
 
     @property
     def skip(self) -> LayerSkip:
-        return as_layer_skip(self.current.skipped)
+        """The skip set drafts use: the best scored so far."""
+        return as_layer_skip(self.best)
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """One drafting step with the current set: ``tokens`` emitted in ``seconds`` (target and draft)."""
-        self.current.steps += 1
-        self.current.tokens += tokens
-        self.current.seconds += seconds
-        if self.searching and self.current.steps >= self.steps_per_trial:
-            self.history.append(self.current)
-            self.current = Trial(self._candidate()) if self.searching else Trial(self.best.skipped)
+    def candidate(self) -> frozenset[SubLayer]:
+        """The next set to score: the starting set first, then random sets, every ``bayes_interval``-th one the
+        Bayesian optimiser's suggestion."""
+        if not self.history or self.rescore:
+            self.rescore = False
+            return self.best
+        if (len(self.history) + 1) % self.bayes_interval == 0:
+            suggestion = self._optimiser_of().suggest()
+            ranked = sorted(range(len(self._pool)), key=lambda index: -suggestion[f"x{index}"])
+            return frozenset(self._pool[index] for index in ranked[: self.size])
+        return frozenset(self._random.sample(self._pool, self.size))
 
-    def _candidate(self) -> frozenset[SubLayer]:
-        if not self._pool or self.size == 0:
-            return frozenset()
-        if self._random.random() < 0.25 or not self.history:
-            return frozenset(self._random.sample(self._pool, self.size))
-        best = set(self.best.skipped)
-        kept = [sub for sub in self._pool if sub not in best]
-        for _ in range(self._random.choice((1, 1, 2))):
-            if not kept or not best:
-                break
-            out, into = self._random.choice(sorted(best)), self._random.choice(kept)
-            best.remove(out)
-            best.add(into)
-            kept.remove(into)
-            kept.append(out)
-        return frozenset(best)
+    def record(self, skipped: frozenset[SubLayer], match: float) -> None:
+        """The matchness of one scored candidate. The best set is the one with the highest mean over the windows it
+        was scored on: the best of many one-window scores flatters its set, so the best is scored again on every new
+        sequence's window and keeps its place only while its mean stays ahead."""
+        self.history.append((skipped, match))
+        scores = self._scores.setdefault(skipped, [])
+        if not scores:  # (the optimiser takes each point once)
+            self._optimiser_of().register(params=self._point(skipped), target=match)
+        scores.append(match)
+        previous = self.best_match
+        means = ((candidate, sum(values) / len(values)) for candidate, values in self._scores.items())
+        self.best, self.best_match = max(means, key=lambda pair: pair[1])
+        self._since_best = 0 if self.best_match > previous else self._since_best + 1
+
+    def judge(self, level_seconds: float, latency: LatencyModel, depth: int) -> None:
+        """Give up once ``bayes_interval`` sets are scored and even drafts accepted as often as the best set matches
+        would not pay for their forwards (a draft level costing ``level_seconds``): the search's cost could not be
+        won back, and drafting with that set would only slow decoding down."""
+        if len(self.history) >= self.bayes_interval:
+            self.given_up = chain_speedup(self.best_match, level_seconds, latency, depth) < 1.0
+
+    def _point(self, skipped: frozenset[SubLayer]) -> dict[str, float]:
+        return {f"x{index}": float(sub in skipped) for index, sub in enumerate(self._pool)}
+
+    def _optimiser_of(self) -> BayesianOptimization:
+        if self._optimiser is None:
+            # SWIFT's settings: a coordinate per sub-layer in [0, 1] (the top ``size`` are skipped), upper
+            # confidence bound with kappa 2.5, observation noise 1e-2 (matchness over a short window is noisy).
+            self._optimiser = BayesianOptimization(
+                f=None, pbounds={f"x{index}": (0.0, 1.0) for index in range(len(self._pool))},
+                acquisition_function=acquisition.UpperConfidenceBound(kappa=2.5),
+                random_state=self.seed, verbose=0,
+            )
+            self._optimiser.set_gp_params(alpha=1e-2)
+        return self._optimiser
 
 
 class LayerSkipDrafter(Drafter):
@@ -145,7 +190,13 @@ class LayerSkipDrafter(Drafter):
         ratio: share of the middle layers' sub-layers skipped.
         depth: longest draft chain.
         threshold: stop the chain when the draft's probability of its token falls below this.
-        trials: skip sets tried (a few steps each) before the best is kept.
+        window: generated tokens whose next token a candidate skip set is scored on (its matchness).
+        trials: most skip sets scored (one per decoding step) before the best is kept for good.
+        patience: stop searching after this many sets in a row that did not beat the best.
+        target_match: stop searching once the best set's matchness reaches this.
+        bayes_interval: every this many sets, the Bayesian optimiser's suggestion instead of a random one.
+        search_share: most share of decoding time the search may take (a set is scored once the search's time so far
+            is below this share of the steps seen, priced at one plain step each).
         adaptive: also stop when the next level's expected accepted tokens are worth less than its cost.
         seed: seed of the skip-set search.
     """
@@ -157,7 +208,12 @@ class LayerSkipDrafter(Drafter):
         ratio: float = 0.45,
         depth: int = 8,
         threshold: float = 0.5,
-        trials: int = 24,
+        window: int = 32,
+        trials: int = 200,
+        patience: int = 60,
+        target_match: float = 0.93,
+        bayes_interval: int = 25,
+        search_share: float = 0.1,
         adaptive: bool = True,
         seed: int = 0,
     ) -> None:
@@ -165,11 +221,20 @@ class LayerSkipDrafter(Drafter):
             raise ValueError(f"ratio must be in [0, 1), got {ratio}")
         if depth < 1 or trials < 0 or not 0.0 <= threshold <= 1.0:
             raise ValueError(f"need depth >= 1, trials >= 0 and 0 <= threshold <= 1 (got {depth}, {trials}, {threshold})")
+        if window < 1 or patience < 1 or bayes_interval < 1 or not 0.0 <= target_match <= 1.0 or search_share <= 0:
+            raise ValueError(
+                f"need window, patience and bayes_interval >= 1, 0 <= target_match <= 1 and search_share > 0 "
+                f"(got {window}, {patience}, {bayes_interval}, {target_match}, {search_share})"
+            )
         self.ratio, self.depth, self.threshold = float(ratio), int(depth), float(threshold)
-        self.trials, self.adaptive, self.seed = int(trials), bool(adaptive), int(seed)
+        self.window, self.trials, self.patience = int(window), int(trials), int(patience)
+        self.target_match, self.bayes_interval = float(target_match), int(bayes_interval)
+        self.search_share = float(search_share)
+        self.adaptive, self.seed = bool(adaptive), int(seed)
         # Shared by forks: the search, the acceptance calibration and the draft's measured cost.
         self._shared: dict[str, Any] = {
             "target": None, "search": None, "tracker": AcceptanceTracker(), "clock": LevelClock(),
+            "steps": 0, "search_seconds": 0.0,
         }
         self._own_sequence_state()
 
@@ -179,7 +244,7 @@ class LayerSkipDrafter(Drafter):
         self._latency: LatencyModel | None = None
         self._generator: torch.Generator | None = None
         self._kinds: dict[tuple[int, ...], int] = {}
-        self._draft_seconds = 0.0
+        self._prompt_length: int | None = None
 
     @property
     def search(self) -> SkipSearch:
@@ -194,18 +259,47 @@ class LayerSkipDrafter(Drafter):
         if self._shared["target"] is not setup.target:
             self._shared.update(
                 target=setup.target,
-                search=SkipSearch(len(setup.target.layers), self.ratio, self.trials, seed=self.seed),
+                search=SkipSearch(len(setup.target.layers), self.ratio, self.trials, self.patience,
+                                  self.target_match, self.bayes_interval, seed=self.seed),
             )
         self._cache = setup.cache
         self._sampling = setup.sampling
         self._latency = setup.latency
         self._generator = setup.sampling.generator()
 
+    def reset(self, prompt: Sequence[int]) -> None:
+        self._prompt_length = len(prompt)
+        if self.search is not None and self.search.history:
+            self.search.rescore = True
+
+    @torch.inference_mode()
+    def _score_candidate(self, sequence: Sequence[int]) -> None:
+        """Score one candidate skip set on the sequence's first ``window + 1`` generated tokens, once the cache holds
+        them all (SWIFT's window: every candidate of a sequence is scored on the same text) and the search is within
+        its share of the decoding time."""
+        shared, search, start = self._shared, self.search, self._prompt_length
+        target: LeanTarget = shared["target"]
+        shared["steps"] += 1
+        if start is None or not search.searching or target.cache_length(self._cache) < start + self.window + 1:
+            return
+        step_seconds = self._latency.cost(1) if self._latency is not None else 0.0
+        if shared["search_seconds"] > self.search_share * shared["steps"] * step_seconds:
+            return
+        started = time.perf_counter()
+        candidate = search.candidate()
+        rows = sequence[start : start + self.window + 1]
+        predicted = target.skipped_predictions(self._cache, rows, start, as_layer_skip(candidate))
+        search.record(candidate, matchness(predicted[:-1], rows[1:]))
+        shared["search_seconds"] += time.perf_counter() - started
+        level_seconds = shared["clock"].estimate(1)
+        if level_seconds is not None and self._latency is not None:
+            search.judge(level_seconds, self._latency, self.depth)
+
     @torch.inference_mode()
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         target: LeanTarget = self._shared["target"]
         committed = target.cache_length(self._cache)
-        if budget <= 0 or committed != len(context) - 1:
+        if budget <= 0 or committed != len(context) - 1 or self.search.given_up:
             return DraftTree()
         started = time.perf_counter()
         greedy = self._sampling.greedy
@@ -233,12 +327,10 @@ class LayerSkipDrafter(Drafter):
         finally:
             target.truncate(self._cache, committed)
         self._kinds = growth.kinds
-        self._draft_seconds = time.perf_counter() - started
         return growth.tree(with_q=not greedy)
 
     def observe(self, outcome: StepOutcome) -> None:
-        if not len(outcome.tree):
-            return
-        self._shared["tracker"].learn_step(outcome.tree, outcome.verification, self._kinds)
-        forward = self._latency.cost(len(outcome.tree) + 1) if self._latency is not None else 0.0
-        self.search.record(len(outcome.emitted), forward + self._draft_seconds)
+        if len(outcome.tree):
+            self._shared["tracker"].learn_step(outcome.tree, outcome.verification, self._kinds)
+        # Every step, drafted or not: a pause in drafting (the current set does not pay) must not stop the search.
+        self._score_candidate((*outcome.context, *outcome.emitted))

@@ -174,7 +174,7 @@ def test_a_search_that_cannot_pay_gives_up_and_stops_drafting(tmp_path):
     latency = LatencyModel()
     for rows in range(1, 10):
         latency.record(rows, 0.010 + 0.001 * rows)
-    search = SkipSearch(layers=8, ratio=0.5, bayes_interval=3, patience=1000, target_match=1.0)
+    search = SkipSearch(layers=8, ratio=0.5, bayes_interval=4, patience=1000, target_match=1.0)
     sets = [frozenset(skippable(8)[index : index + 6]) for index in range(3)]
     for skipped, match in zip(sets, (0.1, 0.2)):
         search.record(skipped, match)

@@ -161,10 +161,10 @@ class SkipSearch:
         self._since_best = 0 if self.best_match > previous else self._since_best + 1
 
     def judge(self, level_seconds: float, latency: LatencyModel, depth: int) -> None:
-        """Give up once ``bayes_interval`` sets are scored and even drafts accepted as often as the best set matches
-        would not pay for their forwards (a draft level costing ``level_seconds``): the search's cost could not be
-        won back, and drafting with that set would only slow decoding down."""
-        if len(self.history) >= self.bayes_interval:
+        """Give up once the random sets before the first Bayesian suggestion are scored and even drafts accepted as
+        often as the best set matches would not pay for their forwards (a draft level costing ``level_seconds``): the
+        search's cost could not be won back, and drafting with that set would only slow decoding down."""
+        if len(self.history) >= self.bayes_interval - 1:
             self.given_up = chain_speedup(self.best_match, level_seconds, latency, depth) < 1.0
 
     def _point(self, skipped: frozenset[SubLayer]) -> dict[str, float]:
@@ -285,15 +285,17 @@ class LayerSkipDrafter(Drafter):
         step_seconds = self._latency.cost(1) if self._latency is not None else 0.0
         if shared["search_seconds"] > self.search_share * shared["steps"] * step_seconds:
             return
+        level_seconds = shared["clock"].estimate(1)
+        if level_seconds is not None and self._latency is not None:
+            search.judge(level_seconds, self._latency, self.depth)
+            if search.given_up:
+                return
         started = time.perf_counter()
         candidate = search.candidate()
         rows = sequence[start : start + self.window + 1]
         predicted = target.skipped_predictions(self._cache, rows, start, as_layer_skip(candidate))
         search.record(candidate, matchness(predicted[:-1], rows[1:]))
         shared["search_seconds"] += time.perf_counter() - started
-        level_seconds = shared["clock"].estimate(1)
-        if level_seconds is not None and self._latency is not None:
-            search.judge(level_seconds, self._latency, self.depth)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:

@@ -33,7 +33,7 @@ def deep_target(dtype, tmp_path, seed=0, **overrides) -> LeanTarget:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_ids_equal_ar_alone_and_batched(dtype, tmp_path):
     target = deep_target(dtype, tmp_path)
-    drafter = LayerSkipDrafter(ratio=0.3, threshold=0.0, adaptive=False, trials=6)
+    drafter = LayerSkipDrafter(ratio=0.3, threshold=0.0, adaptive=False, trials=40, window=8, search_share=100.0)
     rng = random.Random(3)
     prompts = [repetitive_prompt(rng, low=10, high=70) for _ in range(6)]
     expected = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=40).token_ids for p in prompts]
@@ -43,8 +43,11 @@ def test_greedy_ids_equal_ar_alone_and_batched(dtype, tmp_path):
         assert result.token_ids == ids
         accepted += result.stats.accepted_tokens
     assert accepted > 0
+    scored = len(drafter.search.history)
+    assert scored > 0
     batched = draftwise.generate(target, None, prompt_ids=prompts, method=drafter, max_new_tokens=40, max_batch=4)
     assert [result.token_ids for result in batched] == expected
+    assert len(drafter.search.history) > scored or not drafter.search.searching  # batched sequences search too
 
 
 def test_the_targets_cache_is_left_as_it_was(tmp_path):

@@ -117,7 +117,9 @@ def run_batched(
     and warmed up on ``warm_up_ids`` at that batch size: a drafter that learns across requests (ADED's n-gram matrix,
     Token Recycling's table, Lookahead's pool) would otherwise meet, from the second batch size on, the very outputs
     it learned at the first. All rows share one forward-time model. Batch size 1 runs first and is each row's
-    reference.
+    reference. The rows run one after the other at each batch size (``ar`` first), so that a row and the ``ar`` it
+    is compared with are measured minutes apart rather than a whole run apart (CPUs drift). Records are returned row
+    by row.
     """
     if "ar" not in drafters:
         raise InvalidRequestError("the rows need 'ar': it is the reference")
@@ -128,9 +130,10 @@ def run_batched(
     sampling = sampling or SamplingParams()
     records: list[BatchRecord] = []
     reference: dict[str, list[list[int]]] = {}
-    for label, make in drafters.items():
-        for size in sizes:
-            drafter = make()
+    labels = ["ar", *(label for label in drafters if label != "ar")]
+    for size in sizes:
+        for label in labels:
+            drafter = drafters[label]()
             if warm_up_ids is not None:
                 generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
                          max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
@@ -156,7 +159,8 @@ def run_batched(
             records.append(record)
             if on_record is not None:
                 on_record(record)
-    return records
+    order = {label: index for index, label in enumerate(drafters)}
+    return sorted(records, key=lambda record: (order[record.label], record.batch_size))
 
 
 def batch_table_rows(records: Sequence[BatchRecord]) -> list[dict[str, Any]]:

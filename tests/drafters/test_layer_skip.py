@@ -15,6 +15,7 @@ import draftwise
 from draftwise.backend.lean import LayerSkip, LeanTarget
 from draftwise.decoding.latency import LatencyModel
 from draftwise.decoding.sampling import SamplingParams
+from draftwise.decoding.verify import greedy_choice
 from draftwise.drafters.layer_skip import (
     LayerSkipDrafter,
     SkipSearch,
@@ -33,7 +34,8 @@ def deep_target(dtype, tmp_path, seed=0, **overrides) -> LeanTarget:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_ids_equal_ar_alone_and_batched(dtype, tmp_path):
     target = deep_target(dtype, tmp_path)
-    drafter = LayerSkipDrafter(ratio=0.3, threshold=0.0, adaptive=False, trials=40, window=8, search_share=100.0)
+    drafter = LayerSkipDrafter(ratio=0.3, threshold=0.0, adaptive=False, trials=40, window=8,
+                               search_share=100.0)
     rng = random.Random(3)
     prompts = [repetitive_prompt(rng, low=10, high=70) for _ in range(6)]
     expected = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=40).token_ids for p in prompts]
@@ -100,7 +102,7 @@ def test_skip_search_stops_at_the_target_match_or_out_of_patience():
     assert not search.searching and search.best_match == 0.5
 
 
-def test_skipped_predictions_score_the_models_own_text_and_leave_the_cache_as_it_was(tmp_path):
+def test_skipped_logits_score_the_models_own_text_and_leave_the_cache_as_it_was(tmp_path):
     target = deep_target(torch.bfloat16, tmp_path)
     prompt = repetitive_prompt(random.Random(2), low=40, high=60)
     output = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=90).token_ids
@@ -112,13 +114,13 @@ def test_skipped_predictions_score_the_models_own_text_and_leave_the_cache_as_it
         start = len(prompt)
         rows = context[start : start + 70]
         # Nothing skipped: the model predicts exactly the tokens it wrote (the window is aligned).
-        assert matchness(target.skipped_predictions(cache, rows, start, LayerSkip())[:-1], rows[1:]) == 1.0
-        skipped = target.skipped_predictions(cache, rows, start, as_layer_skip(frozenset(skippable(6)[:5])))
+        assert matchness(greedy_choice(target.skipped_logits(cache, rows, start, LayerSkip()))[:-1], rows[1:]) == 1.0
+        skipped = greedy_choice(target.skipped_logits(cache, rows, start, as_layer_skip(frozenset(skippable(6)[:5]))))
         assert skipped.shape == (70,)
     assert target.cache_length(cache) == len(context) - 1
     assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
     with pytest.raises(ValueError, match="committed"):
-        target.skipped_predictions(cache, context[-3:], len(context) - 3, LayerSkip())
+        target.skipped_logits(cache, context[-3:], len(context) - 3, LayerSkip())
 
 
 def test_the_search_runs_during_generation_and_keeps_ids(tmp_path):

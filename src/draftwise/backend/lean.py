@@ -285,10 +285,10 @@ class LeanTarget(Target):
             cache.move(torch.tensor([start + row for row in rows], device=self.device), start)
         cache.length = start + len(rows)
 
-    def skipped_predictions(self, cache: LeanCache, tokens: Sequence[int], start: int, skip: LayerSkip) -> torch.Tensor:
-        """The greedy next token after each of ``tokens`` (committed at positions ``start ..``) as the model with
-        ``skip`` left out predicts it, on the committed keys and values before ``start``: how well a skip set would
-        have drafted text the model already wrote, in one forward (SWIFT's parallel matchness check).
+    def skipped_logits(self, cache: LeanCache, tokens: Sequence[int], start: int, skip: LayerSkip) -> torch.Tensor:
+        """The logits after each of ``tokens`` (committed at positions ``start ..``) of the model with ``skip`` left
+        out, on the committed keys and values before ``start``: how well a skip set would have drafted text the model
+        already wrote, in one forward (SWIFT's parallel matchness check).
 
         The rows are computed in the slots they occupy; those slots are saved before and put back after, so the
         cache (keys, values and length) is left bitwise as it was.
@@ -300,12 +300,11 @@ class LeanTarget(Target):
         saved = cache.keys[:, first:last].clone(), cache.values[:, first:last].clone()
         cache.length = start
         try:
-            logits = self.forward([cache], [RowBlock.chain(list(tokens))], skip=skip).logits[0]
+            return self.forward([cache], [RowBlock.chain(list(tokens))], skip=skip).logits[0]
         finally:
             cache.keys[:, first:last] = saved[0]
             cache.values[:, first:last] = saved[1]
             cache.length = committed
-        return torch.argmax(logits.float(), dim=-1)
 
     # --------------------------------------------------------------------------------------------- forward
 

@@ -9,7 +9,7 @@ and the cache is rolled back to its committed length after each proposal, so the
 **The skip set is searched online, as SWIFT does.** A candidate set is scored by its *matchness*: the share of a
 window of tokens the model already generated (the first ``window + 1`` of a sequence's output) whose next token the
 skipped model's argmax predicts, all positions in one forward of the skipped model over the committed cache
-(:meth:`~draftwise.backend.lean.LeanTarget.skipped_predictions`, which leaves the cache bitwise as it was). One
+(:meth:`~draftwise.backend.lean.LeanTarget.skipped_logits`, which leaves the cache bitwise as it was). One
 candidate is scored per decoding step, drafted or not (a set that does not pay must not stall the search): random sets
 of the configured size, and every ``bayes_interval``-th one the suggestion of a Bayesian optimiser (a Gaussian process
 over the sets scored so far, by `bayesian-optimization`_). A candidate that scores above the best replaces it; the
@@ -42,6 +42,7 @@ from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
 from ..decoding.latency import LatencyModel
 from ..decoding.sampling import SamplingParams
 from ..decoding.tree import ROOT, DraftTree
+from ..decoding.verify import greedy_choice
 from ..errors import UnsupportedModelError
 from .draft_model import LevelClock, TreeGrowth, draft_distribution, worth_another_level
 from .stores.acceptance import AcceptanceTracker
@@ -293,7 +294,7 @@ class LayerSkipDrafter(Drafter):
         started = time.perf_counter()
         candidate = search.candidate()
         rows = sequence[start : start + self.window + 1]
-        predicted = target.skipped_predictions(self._cache, rows, start, as_layer_skip(candidate))
+        predicted = greedy_choice(target.skipped_logits(self._cache, rows, start, as_layer_skip(candidate)))
         search.record(candidate, matchness(predicted[:-1], rows[1:]))
         shared["search_seconds"] += time.perf_counter() - started
 

@@ -326,10 +326,10 @@ class LeanTarget(Target):
         values are written into the caches after their lengths first (except those of ``deferred`` sequences).
         ``attend(layer, queries, keys, values)`` does every sequence's attention (given all new rows' queries, keys
         and values, one sequence after the other) and returns its rows' outputs in the same order. ``skip`` names
-        sub-layers left out (a layer-skipping draft: a skipped attention writes no keys or values). The sequences ``deferred`` (by index; their attention
-        takes this forward's rows from the keys and values it is given) get every layer's keys and values written
-        once, after the last layer: a write per sequence per forward instead of per layer. Returns each sequence's
-        final normed hidden states."""
+        sub-layers left out (a layer-skipping draft: a skipped attention writes no keys or values). The sequences
+        ``deferred`` (by index; their attention takes this forward's rows from the keys and values it is given) get
+        every layer's keys and values written once, after the last layer: a write per sequence per forward instead
+        of per layer. Returns each sequence's final normed hidden states."""
         if deferred and skip is not None:
             raise ValueError("a layer-skipping forward writes its keys and values layer by layer")
         sizes = [len(row_tokens) for row_tokens in tokens]

@@ -182,18 +182,23 @@ def _bench_batched(args: argparse.Namespace, benchmark, batch_sizes: list[int], 
     console.print(f"{len(benchmark.prompts)} prompts, batch sizes {batch_sizes}: warming up")
 
     def on_record(record) -> None:
-        console.print(f"{record.label:>12} batch {record.batch_size:>3}: {record.tokens_per_s:7.1f} tok/s, "
+        passes = record.pass_tokens_per_s
+        spread = f" (passes {min(passes):.1f}-{max(passes):.1f})" if len(passes) > 1 else ""
+        console.print(f"{record.label:>12} batch {record.batch_size:>3}: {record.tokens_per_s:7.1f} tok/s{spread}, "
                       f"exact vs batch 1 {record.exact}/{record.prompts}")
 
     records = benchmark.run_batched(batch_sizes, on_record)
     rows = batch_table_rows(records)
     table = Table(title=f"batched: {len(benchmark.prompts)} prompts, {benchmark.settings.max_new_tokens} new tokens each")
-    columns = ["row", "batch_size", "tokens_per_s", "vs_batch_1", "vs_ar", "mean_accepted_tokens", "latency_p50_s",
-               "latency_p90_s", "queued_latency_p90_s", "exact_vs_batch_1", "exact_vs_ar"]
+    columns = ["row", "batch_size", "tokens_per_s", "tokens_per_s_range", "vs_batch_1", "vs_ar", "mean_accepted_tokens",
+               "latency_p50_s", "latency_p90_s", "queued_latency_p90_s", "exact_vs_batch_1", "exact_vs_ar"]
+    if benchmark.settings.repeats == 1:
+        columns.remove("tokens_per_s_range")
     for column in columns:
         table.add_column(column.replace("_", " "), justify="left" if column == "row" else "right")
     for row in rows:
-        table.add_row(*("-" if row[column] is None else str(row[column]) for column in columns))
+        table.add_row(*("-" if row[column] is None else "-".join(map(str, row[column])) if isinstance(row[column], list)
+                        else str(row[column]) for column in columns))
     (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
     if args.json:
         write_batched_json(args.json, rows, records, benchmark.environment,
@@ -404,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text (first turns only)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1,
-                       help="timed passes over the prompts, each with fresh drafters (medians reported)")
+                       help="timed passes over the prompts, each with fresh drafters (medians reported; with "
+                       "--batch-size, each batch size's rows run in turn N times)")
     bench.add_argument("--sweep", default=None, help="run each drafting method at several draft budgets: budget=4,8,16")
     bench.add_argument("--draft-model", default=None, help="draft model of the hf-assisted row (preset, GGUF or folder)")
     bench.add_argument("--out", default=None, help="append each run to this jsonl results file as it finishes")

@@ -54,6 +54,31 @@ def test_run_batched_rows_exact_and_table(tiny_llama, tmp_path):
     assert saved["summary"] == rows and saved["records"][1]["token_ids"] == batched_ar.token_ids
 
 
+def test_run_batched_repeats_interleave_passes_and_report_the_median(tiny_llama):
+    rng = random.Random(6)
+    prompt_ids = [repetitive_prompt(rng, low=6, high=30) for _ in range(4)]
+    made = []
+
+    def maker(method):
+        def make():
+            made.append(method)
+            return make_drafter(method)
+        return make
+
+    records = run_batched(tiny_llama, ChatCharTokenizer(), prompt_ids, {"ar": maker("ar"), "pld": maker("pld")}, [2],
+                          12, repeats=3)
+    # Each batch size runs all its rows, then all again (fresh drafters every pass).
+    assert made == ["ar", "pld"] * 6
+    for record in records:
+        assert len(record.pass_tokens_per_s) == 3
+        assert record.tokens_per_s == sorted(record.pass_tokens_per_s)[1]
+        assert record.exact == record.exact_vs_ar == 4
+        summary = record.summary()
+        assert summary["passes"] == 3 and summary["tokens_per_s_range"][0] <= summary["tokens_per_s"]
+    with pytest.raises(InvalidRequestError, match="repeats"):
+        run_batched(tiny_llama, None, [[1, 2]], {"ar": maker("ar")}, [2], 4, repeats=0)
+
+
 def test_run_batched_needs_ar_and_prompts(tiny_llama):
     with pytest.raises(InvalidRequestError, match="ar"):
         run_batched(tiny_llama, None, [[1, 2]], {"pld": lambda: make_drafter("pld")}, [2], 4)

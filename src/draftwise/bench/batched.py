@@ -41,9 +41,11 @@ class BatchRecord:
         latency_s: each request's seconds from its admission (prefill) to its last token.
         queued_latency_s: each request's seconds from submission to its last token (waiting for a slot included).
         steps: decoding steps summed over the prompts.
-        exact: prompts whose ids equal the row's batch-1 ids.
-        exact_vs_ar: prompts whose ids equal ``ar``'s batch-1 ids (greedy runs).
+        exact: prompts whose ids equal the row's batch-1 ids (in every pass).
+        exact_vs_ar: prompts whose ids equal ``ar``'s batch-1 ids (in every pass; greedy runs).
         token_ids: every prompt's generated ids.
+        pass_tokens_per_s: each timed pass's aggregate tokens/s; with several passes, the other fields are those of
+            the median pass.
     """
 
     label: str
@@ -57,6 +59,7 @@ class BatchRecord:
     exact: int = 0
     exact_vs_ar: int | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    pass_tokens_per_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,6 +85,9 @@ class BatchRecord:
             "queued_latency_p90_s": round(percentile(self.queued_latency_s, 90), 3),
             "exact_vs_batch_1": f"{self.exact}/{self.prompts}",
             "exact_vs_ar": None if self.exact_vs_ar is None else f"{self.exact_vs_ar}/{self.prompts}",
+            "passes": max(1, len(self.pass_tokens_per_s)),
+            "tokens_per_s_range": [round(min(self.pass_tokens_per_s), 2), round(max(self.pass_tokens_per_s), 2)]
+            if self.pass_tokens_per_s else None,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -109,6 +115,7 @@ def run_batched(
     sampling: SamplingParams | None = None,
     warm_up_ids: Sequence[int] | None = None,
     on_record: Callable[[BatchRecord], None] | None = None,
+    repeats: int = 1,
 ) -> list[BatchRecord]:
     """Run every row (``drafters``: a function making each row's drafter, by label, ``ar`` among them) at every batch
     size over all of ``prompt_ids``.
@@ -118,13 +125,17 @@ def run_batched(
     Token Recycling's table, Lookahead's pool) would otherwise meet, from the second batch size on, the very outputs
     it learned at the first. All rows share one forward-time model. Batch size 1 runs first and is each row's
     reference. The rows run one after the other at each batch size (``ar`` first), so that a row and the ``ar`` it
-    is compared with are measured minutes apart rather than a whole run apart (CPUs drift). Records are returned row
+    is compared with are measured minutes apart rather than a whole run apart (CPUs drift). With ``repeats`` passes,
+    each batch size runs all its rows, then all of them again, and so on (fresh drafters every pass); a record is
+    its median pass (by tokens/s), a prompt counts as exact only if it was in every pass. Records are returned row
     by row.
     """
     if "ar" not in drafters:
         raise InvalidRequestError("the rows need 'ar': it is the reference")
     if not prompt_ids:
         raise InvalidRequestError("no prompts selected")
+    if repeats < 1:
+        raise InvalidRequestError(f"repeats must be at least 1, got {repeats}")
     sizes = sorted({1, *batch_sizes})
     latency = LatencyModel.of(as_target(model))
     sampling = sampling or SamplingParams()
@@ -132,35 +143,67 @@ def run_batched(
     reference: dict[str, list[list[int]]] = {}
     labels = ["ar", *(label for label in drafters if label != "ar")]
     for size in sizes:
+        passes: dict[str, list[BatchRecord]] = {label: [] for label in labels}
+        for _ in range(repeats):
+            for label in labels:
+                passes[label].append(_timed_pass(model, tokenizer, prompt_ids, drafters[label](), label, size,
+                                                 max_new_tokens, latency, sampling, warm_up_ids, reference))
         for label in labels:
-            drafter = drafters[label]()
-            if warm_up_ids is not None:
-                generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
-                         max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
-            started = time.perf_counter()
-            results = generate(model, tokenizer, prompt_ids=[list(ids) for ids in prompt_ids], method=drafter,
-                               max_new_tokens=max_new_tokens, latency=latency, sampling=sampling, max_batch=size)
-            wall = time.perf_counter() - started
-            ids = [result.token_ids for result in results]
-            reference.setdefault(label, ids)
-            record = BatchRecord(
-                label=label,
-                batch_size=size,
-                prompts=len(results),
-                new_tokens=sum(len(tokens) for tokens in ids),
-                wall_s=wall,
-                latency_s=[result.stats.time_s for result in results],
-                queued_latency_s=[result.stats.queue_time_s + result.stats.time_s for result in results],
-                steps=sum(result.stats.steps for result in results),
-                exact=sum(a == b for a, b in zip(ids, reference[label])),
-                exact_vs_ar=sum(a == b for a, b in zip(ids, reference["ar"])) if sampling.greedy else None,
-                token_ids=ids,
-            )
+            record = _median_pass(passes[label], reference)
             records.append(record)
             if on_record is not None:
                 on_record(record)
     order = {label: index for index, label in enumerate(drafters)}
     return sorted(records, key=lambda record: (order[record.label], record.batch_size))
+
+
+def _timed_pass(
+    model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], drafter: Drafter, label: str, size: int,
+    max_new_tokens: int, latency: LatencyModel, sampling: SamplingParams, warm_up_ids: Sequence[int] | None,
+    reference: dict[str, list[list[int]]],
+) -> BatchRecord:
+    """One row's pass over every prompt at one batch size (the first pass of a row at batch 1 becomes its
+    reference)."""
+    if warm_up_ids is not None:
+        generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
+                 max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
+    started = time.perf_counter()
+    results = generate(model, tokenizer, prompt_ids=[list(ids) for ids in prompt_ids], method=drafter,
+                       max_new_tokens=max_new_tokens, latency=latency, sampling=sampling, max_batch=size)
+    wall = time.perf_counter() - started
+    ids = [result.token_ids for result in results]
+    reference.setdefault(label, ids)
+    record = BatchRecord(
+        label=label,
+        batch_size=size,
+        prompts=len(results),
+        new_tokens=sum(len(tokens) for tokens in ids),
+        wall_s=wall,
+        latency_s=[result.stats.time_s for result in results],
+        queued_latency_s=[result.stats.queue_time_s + result.stats.time_s for result in results],
+        steps=sum(result.stats.steps for result in results),
+        exact=sum(a == b for a, b in zip(ids, reference[label])),
+        exact_vs_ar=sum(a == b for a, b in zip(ids, reference["ar"])) if sampling.greedy else None,
+        token_ids=ids,
+    )
+    record.pass_tokens_per_s = [record.tokens_per_s]
+    return record
+
+
+def _median_pass(passes: Sequence[BatchRecord], reference: dict[str, list[list[int]]]) -> BatchRecord:
+    """The pass of median tokens/s (the lower of the two middle ones), with every pass's rate; a prompt counts as
+    exact if its ids were in every pass."""
+    ranked = sorted(passes, key=lambda record: record.tokens_per_s)
+    median = ranked[(len(ranked) - 1) // 2]
+    median.pass_tokens_per_s = [record.tokens_per_s for record in passes]
+
+    def exact_in_every_pass(expected: list[list[int]]) -> int:
+        return sum(all(record.token_ids[index] == ids for record in passes) for index, ids in enumerate(expected))
+
+    median.exact = exact_in_every_pass(reference[median.label])
+    if median.exact_vs_ar is not None:
+        median.exact_vs_ar = exact_in_every_pass(reference["ar"])
+    return median
 
 
 def batch_table_rows(records: Sequence[BatchRecord]) -> list[dict[str, Any]]:

@@ -603,16 +603,15 @@ class Benchmark:
         the first turn of every prompt; transformers and llama.cpp rows, which decode one sequence at a time, are
         left out (:attr:`unbatched_rows`)."""
         settings = self.settings
-        if settings.budgets or settings.turns != [1] or settings.repeats != 1:
-            raise InvalidRequestError("--batch-size runs first turns once each, at the default budget: drop --sweep, "
-                                      "--turns and --repeats")
+        if settings.budgets or settings.turns != [1]:
+            raise InvalidRequestError("--batch-size runs first turns at the default budget: drop --sweep and --turns")
         prompt_ids = [_encode(self.tokenizer, prompt.conversation(1, []), settings.chat_template)
                       for prompt in self.prompts]
         # (each batch size gets fresh drafters, see run_batched)
         drafters = {row.label: partial(make_drafter, row.method) for row in self.rows if not row.is_external}
         warm_up = _encode(self.tokenizer, WARMUP_PROMPT, settings.chat_template)
         return run_batched(self.model, self.tokenizer, prompt_ids, drafters, batch_sizes, settings.max_new_tokens,
-                           settings.sampling, warm_up, on_record)
+                           settings.sampling, warm_up, on_record, settings.repeats)
 
     @property
     def unbatched_rows(self) -> list[str]:

@@ -14,7 +14,7 @@ import draftwise
 from draftwise.backend import invariance
 from draftwise.backend.costs import cost_curves
 from draftwise.backend.invariance import InvarianceReport, check_trees, plan_rows
-from draftwise.backend.lean import BLOCK, LeanTarget, unsupported_reason
+from draftwise.backend.lean import BLOCK, LeanTarget, _bucket_members, unsupported_reason
 from draftwise.backend.machine import MeasurementStore, auto_dtype, resolve_dtype
 from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
@@ -357,9 +357,16 @@ def test_chains_of_several_sequences_in_one_set_of_products_are_block_attention_
     assert torch.equal(given, torch.cat(expected))
 
 
+def test_attention_groups_lone_rows_longer_chains_and_trees_by_size():
+    sizes = [1, 3, 9, 1, 2, 5, 4, 12]
+    chains = [True, True, True, True, True, False, False, False]
+    assert _bucket_members(sizes, chains) == [[0, 3], [1, 2, 4], [6], [5], [7]]
+    assert _bucket_members([1, 1], [True, True]) == [[0, 1]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_of_lone_rows_chains_and_a_tree_is_each_sequence_alone(dtype, tmp_path):
-    """Lone rows, chains of two row-count buckets (one across a block boundary) and a tree in one forward, on caches
+    """Lone rows, chains of several lengths (one across a block boundary) and a tree in one forward, on caches
     holding garbage after their lengths: every sequence's logits, and its cache once its rows are committed, equal
     those of its forward alone (chains of a batch have their caches written once, after the last layer)."""
     target = planned(model_in("qwen2", dtype), tmp_path)

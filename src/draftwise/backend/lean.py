@@ -118,9 +118,15 @@ def _row_bucket(rows: int) -> int:
 
 
 def _bucket_members(sizes: Sequence[int], chains: Sequence[bool]) -> list[list[int]]:
-    """Sequences (by index) grouped by :func:`_row_bucket` of their row counts, chains apart from trees (whose
-    attention runs another way), smallest bucket first."""
-    keys = [(_row_bucket(size), not chain) for size, chain in zip(sizes, chains)]
+    """Sequences (by index) grouped for their attention, smallest group first: lone rows together, every longer
+    chain together (padded to the longest), trees (whose attention runs another way) by :func:`_row_bucket` of their
+    row counts.
+
+    Each group costs a whole set of products and their bookkeeping at every layer, which at these sizes weighs more
+    than the padding: eight sequences with chains of 1, 1, 1, 1, 2, 3, 5 and 9 rows took 98-125 ms a forward in
+    four groups by row bucket and 88-105 ms in two. Lone rows stay apart, as padding them to a long chain costs more
+    than their group (seven lone rows beside a 16-row chain: 74-77 ms apart, 114 ms padded)."""
+    keys = [(min(size, 2), False) if chain else (_row_bucket(size), True) for size, chain in zip(sizes, chains)]
     return [[index for index, key in enumerate(keys) if key == group] for group in sorted(set(keys))]
 
 
@@ -530,9 +536,8 @@ class LeanTarget(Target):
                     for sequence, (cache, layout) in enumerate(zip(caches, layouts))
                 ])
         else:
-            # One set of products per group of sequences with similar row counts (padding a one-row sequence to
-            # another's 17-row tree would cost more than the products it saves), chains (every block in place) apart
-            # from trees, each row bitwise its own result.
+            # One set of products per group of sequences (lone rows, longer chains, trees by row count; see
+            # _bucket_members), chains (every block in place) apart from trees, each row bitwise its own result.
             starts = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
             bucketed = _bucket_members([len(block.tokens) for block in blocks],
                                        [is_chain(block.parents) for block in blocks])

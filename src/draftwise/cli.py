@@ -196,9 +196,13 @@ def _bench_batched(args: argparse.Namespace, benchmark, batch_sizes: list[int], 
         columns.remove("tokens_per_s_range")
     for column in columns:
         table.add_column(column.replace("_", " "), justify="left" if column == "row" else "right")
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        return "-".join(map(str, value)) if isinstance(value, list) else str(value)  # (a range: low-high)
+
     for row in rows:
-        table.add_row(*("-" if row[column] is None else "-".join(map(str, row[column])) if isinstance(row[column], list)
-                        else str(row[column]) for column in columns))
+        table.add_row(*(cell(row[column]) for column in columns))
     (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
     if args.json:
         write_batched_json(args.json, rows, records, benchmark.environment,

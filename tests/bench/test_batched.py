@@ -13,6 +13,16 @@ from draftwise.drafters import make_drafter
 from draftwise.errors import InvalidRequestError
 
 
+def counting_maker(made: list[str]):
+    """``maker(method)``: a function making that method's drafter that notes each call in ``made``."""
+    def maker(method):
+        def make():
+            made.append(method)
+            return make_drafter(method)
+        return make
+    return maker
+
+
 def test_parse_batch_sizes_adds_the_reference():
     assert parse_batch_sizes("8,4") == [1, 4, 8]
     assert parse_batch_sizes("1") == [1]
@@ -24,14 +34,8 @@ def test_parse_batch_sizes_adds_the_reference():
 def test_run_batched_rows_exact_and_table(tiny_llama, tmp_path):
     rng = random.Random(5)
     prompt_ids = [repetitive_prompt(rng, low=6, high=40) for _ in range(6)]
-    made = []
-
-    def maker(method):
-        def make():
-            made.append(method)
-            return make_drafter(method)
-        return make
-
+    made: list[str] = []
+    maker = counting_maker(made)
     drafters = {"ar": maker("ar"), "pld": maker("pld")}
     seen = []
     records = run_batched(tiny_llama, ChatCharTokenizer(), prompt_ids, drafters, [4], 20,
@@ -57,14 +61,8 @@ def test_run_batched_rows_exact_and_table(tiny_llama, tmp_path):
 def test_run_batched_repeats_interleave_passes_and_report_the_median(tiny_llama):
     rng = random.Random(6)
     prompt_ids = [repetitive_prompt(rng, low=6, high=30) for _ in range(4)]
-    made = []
-
-    def maker(method):
-        def make():
-            made.append(method)
-            return make_drafter(method)
-        return make
-
+    made: list[str] = []
+    maker = counting_maker(made)
     records = run_batched(tiny_llama, ChatCharTokenizer(), prompt_ids, {"ar": maker("ar"), "pld": maker("pld")}, [2],
                           12, repeats=3)
     # Each batch size runs all its rows, then all again (fresh drafters every pass).

@@ -147,9 +147,10 @@ def run_batched(
         for _ in range(repeats):
             for label in labels:
                 passes[label].append(_timed_pass(model, tokenizer, prompt_ids, drafters[label](), label, size,
-                                                 max_new_tokens, latency, sampling, warm_up_ids, reference))
+                                                 max_new_tokens, latency, sampling, warm_up_ids))
+                reference.setdefault(label, passes[label][0].token_ids)
         for label in labels:
-            record = _median_pass(passes[label], reference)
+            record = _median_pass(passes[label], reference, sampling.greedy)
             records.append(record)
             if on_record is not None:
                 on_record(record)
@@ -160,10 +161,8 @@ def run_batched(
 def _timed_pass(
     model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], drafter: Drafter, label: str, size: int,
     max_new_tokens: int, latency: LatencyModel, sampling: SamplingParams, warm_up_ids: Sequence[int] | None,
-    reference: dict[str, list[list[int]]],
 ) -> BatchRecord:
-    """One row's pass over every prompt at one batch size (the first pass of a row at batch 1 becomes its
-    reference)."""
+    """One row's pass over every prompt at one batch size (its exact counts are set by :func:`_median_pass`)."""
     if warm_up_ids is not None:
         generate(model, tokenizer, prompt_ids=[list(warm_up_ids)] * size, method=drafter,
                  max_new_tokens=WARMUP_TOKENS, latency=latency, sampling=sampling, max_batch=size)
@@ -172,8 +171,7 @@ def _timed_pass(
                        max_new_tokens=max_new_tokens, latency=latency, sampling=sampling, max_batch=size)
     wall = time.perf_counter() - started
     ids = [result.token_ids for result in results]
-    reference.setdefault(label, ids)
-    record = BatchRecord(
+    return BatchRecord(
         label=label,
         batch_size=size,
         prompts=len(results),
@@ -182,17 +180,13 @@ def _timed_pass(
         latency_s=[result.stats.time_s for result in results],
         queued_latency_s=[result.stats.queue_time_s + result.stats.time_s for result in results],
         steps=sum(result.stats.steps for result in results),
-        exact=sum(a == b for a, b in zip(ids, reference[label])),
-        exact_vs_ar=sum(a == b for a, b in zip(ids, reference["ar"])) if sampling.greedy else None,
         token_ids=ids,
     )
-    record.pass_tokens_per_s = [record.tokens_per_s]
-    return record
 
 
-def _median_pass(passes: Sequence[BatchRecord], reference: dict[str, list[list[int]]]) -> BatchRecord:
+def _median_pass(passes: Sequence[BatchRecord], reference: dict[str, list[list[int]]], greedy: bool) -> BatchRecord:
     """The pass of median tokens/s (the lower of the two middle ones), with every pass's rate; a prompt counts as
-    exact if its ids were in every pass."""
+    exact (vs the row's batch-1 ids, and of greedy runs vs ``ar``'s) if its ids were in every pass."""
     ranked = sorted(passes, key=lambda record: record.tokens_per_s)
     median = ranked[(len(ranked) - 1) // 2]
     median.pass_tokens_per_s = [record.tokens_per_s for record in passes]
@@ -201,8 +195,7 @@ def _median_pass(passes: Sequence[BatchRecord], reference: dict[str, list[list[i
         return sum(all(record.token_ids[index] == ids for record in passes) for index, ids in enumerate(expected))
 
     median.exact = exact_in_every_pass(reference[median.label])
-    if median.exact_vs_ar is not None:
-        median.exact_vs_ar = exact_in_every_pass(reference["ar"])
+    median.exact_vs_ar = exact_in_every_pass(reference["ar"]) if greedy else None
     return median
 
 

@@ -268,13 +268,14 @@ class RandomTreeDrafter(ReferenceDrafter):
         return random_tree(self.rng, size, self.vocab, suggest)
 
 
-def planned(model, folder):
-    """``model`` on the engine's lean forward with its row plan measured (the measurements kept in ``folder``)."""
+def planned(model, folder, kernel: bool | None = None):
+    """``model`` on the engine's lean forward with its row plan measured (the measurements kept in ``folder``);
+    ``kernel``: as :class:`~draftwise.backend.lean.LeanTarget`'s (``False``: attention by the library path)."""
     from draftwise.backend.invariance import plan_rows
     from draftwise.backend.lean import LeanTarget
     from draftwise.backend.machine import MeasurementStore
 
-    target = LeanTarget(model)
+    target = LeanTarget(model, kernel=kernel)
     plan_rows(target, MeasurementStore(folder))
     return target
 

@@ -66,12 +66,13 @@ def test_greedy_ids_equal_transformers_generate(kind, tmp_path):
         assert draftwise.generate(target, None, prompt_ids=prompt, method=method, max_new_tokens=40).token_ids == expected
 
 
+@pytest.mark.parametrize("kernel", [None, False], ids=["kernel", "library"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_verification_rows_are_bitwise_plain_decoding(kind, dtype, tmp_path):
+def test_verification_rows_are_bitwise_plain_decoding(kind, dtype, kernel, tmp_path):
     """The measured plan makes every row of random trees (ancestors among siblings, cache lengths across block
-    boundaries) equal, with torch.equal on whole logit rows, to plain one-row decoding."""
-    target = planned(model_in(kind, dtype), tmp_path)
+    boundaries) equal, with torch.equal on whole logit rows, to plain one-row decoding, on either attention path."""
+    target = planned(model_in(kind, dtype), tmp_path, kernel=kernel)
     assert target.exact_trees
     report = check_trees(target, trials=25, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7, seed=3)
     assert report.exact, report.mismatches[:3]
@@ -257,7 +258,7 @@ def test_a_batch_over_the_row_limit_runs_as_several_forwards(dtype, tmp_path, mo
 def test_fixed_row_plans_and_separate_attention_stay_exact(tmp_path):
     """The GPU plan's pieces, checked on the CPU: linear products run in fixed 8-row chunks and every sequence's
     attention on its own still give every verification row plain decoding's bits, alone and batched."""
-    target = planned(model_in("qwen2", torch.float32), tmp_path)
+    target = planned(model_in("qwen2", torch.float32), tmp_path, kernel=False)
     target.set_row_plan(8, target.attention_min_rows, linear_fixed=True)
     assert not target.joint_attention and target.head.fixed_rows
     report = check_trees(target, trials=12, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7, seed=5)

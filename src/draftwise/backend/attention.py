@@ -525,3 +525,47 @@ def batch_block_attention(
     output = (total / weight[..., None]).to(dtype)  # (n, kv, rows, group, dim)
     output = output.transpose(1, 2).reshape(count * rows, kv_heads * group * head_dim)
     return output.index_select(0, layout.output_index)
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where every row of a forward finds its keys, for the compiled kernel
+    (:func:`draftwise.backend.native.ragged_attention`): its sequence's committed positions, read in place from the
+    cache, then this forward's rows on its path (its ancestors, then itself), read from the new keys and values.
+
+    Attributes:
+        row_sequence: ``(rows,)`` the sequence of each flat row.
+        row_committed: ``(rows,)`` its sequence's committed length.
+        path_offsets: ``(rows + 1,)`` where each row's path starts in ``path_rows``.
+        path_rows: flat rows of every row's path, in position order.
+    """
+
+    row_sequence: torch.Tensor
+    row_committed: torch.Tensor
+    path_offsets: torch.Tensor
+    path_rows: torch.Tensor
+
+
+def ragged_layout(lengths: Sequence[int], parents: Sequence[Sequence[int]]) -> RaggedLayout:
+    """The :class:`RaggedLayout` of sequences with committed ``lengths`` and new rows with ``parents`` (see
+    :mod:`draftwise.backend.rows`; a row with a negative parent follows the cache), one sequence after the other."""
+    sequence_of: list[int] = []
+    committed_of: list[int] = []
+    offsets = [0]
+    path_rows: list[int] = []
+    start = 0
+    for sequence, (length, own) in enumerate(zip(lengths, parents)):
+        paths: list[list[int]] = []
+        for row, parent in enumerate(own):
+            path = [start + row] if parent < 0 else [*paths[parent], start + row]
+            paths.append(path)
+            path_rows.extend(path)
+            offsets.append(len(path_rows))
+        sequence_of.extend([sequence] * len(own))
+        committed_of.extend([length] * len(own))
+        start += len(own)
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return RaggedLayout(as_tensor(sequence_of), as_tensor(committed_of), as_tensor(offsets), as_tensor(path_rows))

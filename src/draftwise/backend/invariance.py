@@ -211,6 +211,7 @@ def model_shape(target: Any) -> dict[str, Any]:
         "vocab": config.vocab_size,
         "packed": getattr(target, "packed", None),
         "block": getattr(target, "block", None),
+        "attention": getattr(target, "attention_path", None),
     }
 
 

@@ -10,7 +10,10 @@ forward is what the tests compare against. What this forward adds:
 - **batch invariance**: every row of a verification forward is bitwise what plain one-row decoding computes at the
   same position, in every dtype, because every product runs at a row count the machine's kernels are invariant at
   and attention is computed in position-aligned blocks (:mod:`draftwise.backend.invariance` measures both);
-- **few operations per layer**, so a one-row step is close to the cost of reading the weights.
+- **few operations per layer**, so a one-row step is close to the cost of reading the weights: on CPUs attention runs
+  through a kernel compiled on the machine (:mod:`draftwise.backend.native`), one call per layer for every row of
+  every sequence, each row's arithmetic fixed by its position alone; where it cannot be built, through the library
+  path of :mod:`draftwise.backend.attention`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .attention import (
     batch_layout,
     block_attention,
     causal_attention,
+    ragged_layout,
     rows_attention,
     rows_layout,
     single_row_attention,
@@ -178,6 +182,9 @@ class LeanTarget(Target):
             :func:`draftwise.backend.invariance.plan_rows`; 1 until then).
         attention_min_rows: the same for attention's products.
         packed: pack weights for oneDNN (default: where available).
+        kernel: run attention through the compiled kernel (:mod:`draftwise.backend.native`): ``None`` (default)
+            where it can (on CPUs, where it builds; the library path otherwise, with a warning), ``True`` to insist
+            (an error where it cannot), ``False`` for the library path (:mod:`draftwise.backend.attention`).
     """
 
     backend = "lean"
@@ -188,6 +195,7 @@ class LeanTarget(Target):
         linear_min_rows: int = 1,
         attention_min_rows: int = 1,
         packed: bool | None = None,
+        kernel: bool | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -223,6 +231,32 @@ class LeanTarget(Target):
         half = self.head_dim // 2
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.kernel = self._attention_kernel(kernel)
+
+    def _attention_kernel(self, wanted: bool | None) -> Any | None:
+        """The compiled attention module, if used (see the ``kernel`` argument)."""
+        if wanted is False:
+            return None
+        reason = None
+        if self.device.type != "cpu":
+            reason = f"it runs on CPUs, not {self.device.type}"
+        elif self.group > 8:
+            reason = f"{self.group} query heads per key/value head (at most 8)"
+        else:
+            from . import native
+
+            module = native.load_ragged_attention(warn=wanted is None)
+            if module is not None:
+                return module
+            reason = native.unavailable_reason()
+        if wanted:
+            raise UnsupportedModelError(f"the attention kernel cannot run here: {reason}")
+        return None
+
+    @property
+    def attention_path(self) -> str:
+        """``"kernel"`` (the compiled kernel) or ``"library"`` (torch operations) for attention's decode rows."""
+        return "kernel" if self.kernel is not None else "library"
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> Linear:
         return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed, min_rows)
@@ -266,8 +300,9 @@ class LeanTarget(Target):
 
     @property
     def batch_chains(self) -> bool:  # type: ignore[override]
-        # Joint attention reads a chain's blocks in place; a tree's rows each need their own gathered copies.
-        return self.joint_attention
+        # Joint attention reads a chain's blocks in place; a tree's rows each need their own gathered copies. The
+        # kernel reads every row's keys in place, trees' included.
+        return self.joint_attention and self.kernel is None
 
     # ----------------------------------------------------------------------------------------------- cache
 
@@ -507,7 +542,20 @@ class LeanTarget(Target):
             )
         shape = (self.kv_heads, self.group, self.head_dim)
         deferred: frozenset[int] = frozenset()  # sequences whose caches are written once, after the last layer
-        if len(caches) == 1 and len(blocks[0].tokens) == 1 and self.joint_attention:
+        if self.kernel is not None:
+            # Every row in one call per layer, its committed keys read in place and this forward's from the new
+            # rows; the caches are written once, after the last layer (layer by layer for a layer-skipping draft,
+            # whose skipped layers write nothing).
+            layout = ragged_layout([cache.length for cache in caches], [block.parents for block in blocks])
+            kernel = self.kernel
+            if skip is None:
+                deferred = frozenset(range(len(caches)))
+
+            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                return kernel.ragged_attention(queries, keys, values, [cache.keys for cache in caches],
+                                               [cache.values for cache in caches], index, layout.row_sequence,
+                                               layout.row_committed, layout.path_offsets, layout.path_rows)
+        elif len(caches) == 1 and len(blocks[0].tokens) == 1 and self.joint_attention:
             # Plain one-row decoding (CPU plans: products there do not depend on how many blocks share them).
             cache = caches[0]
 

@@ -123,6 +123,7 @@ def _row_plan(model: Any) -> dict[str, Any] | None:
         "linear_min_rows": model.linear_min_rows,
         "attention_min_rows": model.attention_min_rows,
         "exact_trees": model.exact_trees,
+        "attention": model.attention_path,
     }
 
 

@@ -1,0 +1,140 @@
+"""Kernels compiled on the running machine, for the lean forward on CPUs.
+
+:func:`ragged_attention` is one layer's attention for every row of a verification forward (lone rows, chains, tree
+nodes, of any number of sequences) in one call that reads each sequence's cache in place. The library path it
+replaces (:mod:`draftwise.backend.attention`) spends about 28 small operations per layer on what is a few
+thousand multiply-adds per row, and concatenates the caches of a batch at every layer.
+
+The extension is built from its source with the machine's compiler the first time it is needed (about a minute,
+through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed
+by the source, the torch version and the CPU's flags, so a machine with other vector units builds its own. Where it
+cannot be built (no compiler), :func:`load_ragged_attention` says why and the lean forward keeps the library path,
+which is as exact, only slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import warnings
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..machine import cache_root, cpu_flags
+
+SOURCE = Path(__file__).with_name("ragged_attention.cpp")
+#: Compiler flags: the machine's own vector units, and no contraction of products and sums into fused multiply-adds,
+#: so that every inlined copy of the arithmetic (one per head group size, rows alone or several at once) rounds alike.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+
+
+def build_key() -> str:
+    """What a build depends on: the source, the flags, torch's version and the CPU's flags."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's builder runs ``ninja`` by name: where the machine has none, the one the ``ninja`` package installs
+    into the environment (its folder is put on ``PATH`` for the build only)."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, previous]) if previous else ninja.BIN_DIR
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
+
+
+@cache
+def _load() -> tuple[Any | None, str | None]:
+    key = build_key()
+    directory = cache_root() / "native" / key
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        with _ninja_on_path():
+            module = load(
+                name=f"draftwise_ragged_attention_{key}",
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                build_directory=str(directory),
+                verbose=False,
+            )
+    except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a failed build: the library path stays)
+        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    return module, None
+
+
+def load_ragged_attention(warn: bool = True) -> Any | None:
+    """The compiled :func:`ragged_attention` module (built on first use), or ``None`` where it cannot be built (with
+    a warning saying why, once, when ``warn``)."""
+    module, reason = _load()
+    if module is None and warn and not _warned:
+        _warned.append(True)
+        warnings.warn(f"draftwise's attention kernel could not be built ({reason}); the lean forward uses its "
+                      "library path (exact, slower)", RuntimeWarning, stacklevel=2)
+    return module
+
+
+_warned: list[bool] = []
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be used here (``None`` when it can)."""
+    return _load()[1]
+
+
+def ragged_attention(
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    layer: int,
+    row_sequence: torch.Tensor,
+    row_committed: torch.Tensor,
+    path_offsets: torch.Tensor,
+    path_rows: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of every row of a forward over its own keys, each row bitwise the same whatever else the forward
+    holds (see the source's notes).
+
+    Args:
+        query: ``(rows, heads, head_dim)``, scaled and rotated, contiguous.
+        new_keys, new_values: ``(rows, kv_heads, head_dim)``: this forward's rows' keys and values.
+        key_caches, value_caches: each sequence's whole cache, ``(layers, blocks, kv_heads, block, head_dim)``.
+        layer: the layer whose cache is read.
+        row_sequence: ``(rows,)`` int64, the sequence (index into the caches) of each row.
+        row_committed: ``(rows,)`` int64, its sequence's committed positions (read from the cache).
+        path_offsets: ``(rows + 1,)`` int64; ``path_rows[path_offsets[r]:path_offsets[r + 1]]`` are the rows of
+            this forward on row ``r``'s path (its ancestors, then itself), in position order.
+
+    Returns:
+        ``(rows, heads * head_dim)`` in the query's dtype.
+    """
+    module = load_ragged_attention(warn=False)
+    if module is None:
+        raise RuntimeError(f"the attention kernel is not available here: {unavailable_reason()}")
+    return module.ragged_attention(query, new_keys, new_values, key_caches, value_caches, layer, row_sequence,
+                                   row_committed, path_offsets, path_rows)

@@ -1,0 +1,334 @@
+// Attention of ragged verification rows over per-sequence block caches, in one call per layer.
+//
+// Every row's result is a function of its own query, keys and values alone, computed in an order fixed by its
+// position: the same instructions run for a row whether it is plain decoding's lone row, a node of a draft tree or
+// one row of a batch, so verification rows are bitwise plain decoding's by construction. Scores are computed key by
+// key (a fused multiply-add per head dimension, in dimension order), the weighted values position by position, and
+// the weights' total in sixteen interleaved partial sums added in a fixed pattern; rows are split between threads
+// whole, so the thread count changes nothing either.
+//
+// A row reads its sequence's committed positions in place from the block-major cache ``(layers, blocks, kv_heads,
+// block, head_dim)`` and this forward's rows on its path (its ancestors, then itself) from the new keys and values.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Sixteen floats: one AVX-512 register, two AVX2 ones; GCC's vector extensions keep the arithmetic the same on both.
+typedef float floats16 __attribute__((vector_size(64)));
+typedef int32_t ints16 __attribute__((vector_size(64)));
+typedef uint32_t words16 __attribute__((vector_size(64)));
+typedef uint16_t halfwords16 __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+
+inline floats16 load16(const float* source) {
+    floats16 out;
+    std::memcpy(&out, source, sizeof(out));
+    return out;
+}
+
+inline floats16 load16(const c10::BFloat16* source) {
+    halfwords16 raw;
+    std::memcpy(&raw, source, sizeof(raw));
+    return reinterpret_cast<floats16>(__builtin_convertvector(raw, words16) << 16);
+}
+
+inline floats16 load16(const c10::Half* source) {
+    floats16 out;
+    for (int lane = 0; lane < kLanes; ++lane) out[lane] = static_cast<float>(source[lane]);
+    return out;
+}
+
+// Sixteen elements from ``source`` where ``count`` (< 16) are there, zeros after them.
+template <typename scalar_t>
+inline floats16 load_partial(const scalar_t* source, int64_t count) {
+    floats16 out = {};
+    for (int64_t lane = 0; lane < count; ++lane) out[lane] = static_cast<float>(source[lane]);
+    return out;
+}
+
+// Chunk ``c`` (sixteen elements) of a head vector of ``dim`` elements; the last one zero-filled when dim is not a
+// multiple of sixteen.
+template <typename scalar_t>
+inline floats16 load_chunk(const scalar_t* vector, int64_t c, int64_t dim) {
+    const int64_t left = dim - c * kLanes;
+    return left >= kLanes ? load16(vector + c * kLanes) : load_partial(vector + c * kLanes, left);
+}
+
+inline float horizontal_sum(floats16 lanes) {
+    // A fixed pairwise pattern: halves, then quarters, and so on.
+    typedef float floats8 __attribute__((vector_size(32)));
+    typedef float floats4 __attribute__((vector_size(16)));
+    floats8 eight = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
+    floats4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+    return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), sixteen at a time: range reduction by powers of two and a
+// degree-6 polynomial. Every element goes through these same vector instructions, wherever it sits.
+inline floats16 exp_nonpositive(floats16 x) {
+    const floats16 lowest = floats16{} - 87.0f;
+    x = x < lowest ? lowest : x;
+    const floats16 shifter = floats16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+    const floats16 n = (x * 1.44269504088896341f + shifter) - shifter;
+    floats16 r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    floats16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const ints16 exponent = (__builtin_convertvector(n, ints16) + 127) << 23;
+    return p * reinterpret_cast<floats16>(exponent);
+}
+
+struct Scratch {
+    std::vector<floats16> queries;  // (rows, group, chunks)
+    std::vector<floats16> sums;     // (rows, group, chunks)
+    std::vector<float> scores;      // (rows, group, padded positions)
+    std::vector<float> totals;      // (rows, group)
+};
+
+constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
+
+// Where one sequence's rows find their keys and values: the committed ones in the block cache of one layer and key
+// head, this forward's in the new rows.
+template <typename scalar_t>
+struct SequenceView {
+    const scalar_t* keys;  // the cache at (layer, block 0, head, offset 0)
+    const scalar_t* values;
+    int64_t block, block_stride, committed;
+    const scalar_t* fresh_keys;  // this forward's rows at head ``head``: row ``i`` at ``i * fresh_stride``
+    const scalar_t* fresh_values;
+    int64_t fresh_key_stride, fresh_value_stride;
+};
+
+template <typename scalar_t>
+inline void load_vector(const scalar_t* source, int64_t chunks, int64_t dim, floats16* out) {
+    for (int64_t c = 0; c < chunks; ++c) out[c] = load_chunk(source, c, dim);
+}
+
+// The scores of ``rows`` rows' ``G`` query heads against one key: each a product per sixteen dimensions, added in
+// dimension order, then the fixed pairwise sum of the sixteen lanes. The same arithmetic for every (row, key).
+template <int G>
+inline void score_key(const floats16* queries, const floats16* key, int64_t rows, int64_t chunks, float* scores,
+                      int64_t padded, int64_t position) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const floats16* q = queries + r * G * chunks;
+        floats16 totals[G];
+        for (int g = 0; g < G; ++g) totals[g] = floats16{};
+        for (int64_t c = 0; c < chunks; ++c)
+            for (int g = 0; g < G; ++g) totals[g] = totals[g] + q[g * chunks + c] * key[c];
+        for (int g = 0; g < G; ++g) scores[(r * G + g) * padded + position] = horizontal_sum(totals[g]);
+    }
+}
+
+// Adds one value, weighted by each row's and query head's weight at ``position``, to their sums.
+template <int G>
+inline void add_value(const float* weights, const floats16* value, int64_t rows, int64_t chunks, floats16* sums,
+                      int64_t padded, int64_t position) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int g = 0; g < G; ++g) {
+            const float weight = weights[(r * G + g) * padded + position];
+            floats16* sum = sums + (r * G + g) * chunks;
+            for (int64_t c = 0; c < chunks; ++c) sum[c] = sum[c] + weight * value[c];
+        }
+}
+
+// One sequence's rows (``rows`` of them; row ``r``'s path of ``path_lengths[r]`` new rows at ``paths[r]``) for one
+// key head and its ``G`` query heads. Committed keys and values are read once for all the rows.
+template <typename scalar_t, int G, int C>
+void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* const* queries, scalar_t* const* outputs,
+                          int64_t rows, const int64_t* const* paths, const int64_t* path_lengths, int64_t dim,
+                          Scratch& scratch) {
+    // C: the chunk count when known at compile time (head_dim 64 or 128), 0 otherwise.
+    const int64_t chunks = C ? C : (dim + kLanes - 1) / kLanes;
+    const int64_t committed = view.committed;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, path_lengths[r]);
+    const int64_t padded = (committed + longest + kLanes - 1) / kLanes * kLanes;
+    scratch.queries.resize(rows * G * chunks);
+    scratch.sums.assign(rows * G * chunks, floats16{});
+    scratch.scores.resize(rows * G * padded);
+    scratch.totals.resize(rows * G);
+    floats16* query_vectors = scratch.queries.data();
+    float* scores = scratch.scores.data();
+    floats16* sums = scratch.sums.data();
+    for (int64_t r = 0; r < rows; ++r)
+        for (int g = 0; g < G; ++g) load_vector(queries[r] + g * dim, chunks, dim, query_vectors + (r * G + g) * chunks);
+
+    floats16 vector[kMaxChunks];
+    for (int64_t start = 0; start < committed; start += view.block) {
+        const scalar_t* keys = view.keys + (start / view.block) * view.block_stride;
+        for (int64_t p = start; p < std::min(committed, start + view.block); ++p) {
+            load_vector(keys + (p - start) * dim, chunks, dim, vector);
+            score_key<G>(query_vectors, vector, rows, chunks, scores, padded, p);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < path_lengths[r]; ++j) {
+            load_vector(view.fresh_keys + paths[r][j] * view.fresh_key_stride, chunks, dim, vector);
+            score_key<G>(query_vectors + r * G * chunks, vector, 1, chunks, scores + r * G * padded, padded,
+                         committed + j);
+        }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t positions = committed + path_lengths[r];
+        for (int g = 0; g < G; ++g) {
+            float* row = scores + (r * G + g) * padded;
+            float maximum = -std::numeric_limits<float>::infinity();
+            for (int64_t p = 0; p < positions; ++p) maximum = std::max(maximum, row[p]);
+            for (int64_t p = positions; p < padded; ++p) row[p] = maximum;
+            floats16 lanes = {};
+            for (int64_t p = 0; p < padded; p += kLanes) {
+                floats16 weights = exp_nonpositive(load16(row + p) - maximum);
+                if (p + kLanes > positions)
+                    for (int64_t lane = std::max<int64_t>(positions - p, 0); lane < kLanes; ++lane) weights[lane] = 0.0f;
+                std::memcpy(row + p, &weights, sizeof(weights));
+                lanes = lanes + weights;
+            }
+            scratch.totals[r * G + g] = horizontal_sum(lanes);
+        }
+    }
+    for (int64_t start = 0; start < committed; start += view.block) {
+        const scalar_t* values = view.values + (start / view.block) * view.block_stride;
+        for (int64_t p = start; p < std::min(committed, start + view.block); ++p) {
+            load_vector(values + (p - start) * dim, chunks, dim, vector);
+            add_value<G>(scores, vector, rows, chunks, sums, padded, p);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < path_lengths[r]; ++j) {
+            load_vector(view.fresh_values + paths[r][j] * view.fresh_value_stride, chunks, dim, vector);
+            add_value<G>(scores + r * G * padded, vector, 1, chunks, sums + r * G * chunks, padded, committed + j);
+        }
+        for (int g = 0; g < G; ++g) {
+            const floats16* sum = sums + (r * G + g) * chunks;
+            const float total = scratch.totals[r * G + g];
+            scalar_t* out = outputs[r] + g * dim;
+            for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<scalar_t>(sum[d / kLanes][d % kLanes] / total);
+        }
+    }
+}
+
+template <typename scalar_t>
+void attend_sequence(int64_t group, const SequenceView<scalar_t>& view, const scalar_t* const* queries,
+                     scalar_t* const* outputs, int64_t rows, const int64_t* const* paths, const int64_t* path_lengths,
+                     int64_t dim, Scratch& scratch) {
+    switch (group) {
+#define DRAFTWISE_GROUP(G)                                                                                       \
+        case G:                                                                                                      \
+            if (dim == 64) attend_sequence_head<scalar_t, G, 4>(view, queries, outputs, rows, paths, path_lengths,   \
+                                                                 dim, scratch);                                      \
+            else if (dim == 128) attend_sequence_head<scalar_t, G, 8>(view, queries, outputs, rows, paths,           \
+                                                                      path_lengths, dim, scratch);                   \
+            else attend_sequence_head<scalar_t, G, 0>(view, queries, outputs, rows, paths, path_lengths, dim, scratch); \
+            break;
+        DRAFTWISE_GROUP(1) DRAFTWISE_GROUP(2) DRAFTWISE_GROUP(3) DRAFTWISE_GROUP(4)
+        DRAFTWISE_GROUP(5) DRAFTWISE_GROUP(6) DRAFTWISE_GROUP(7) DRAFTWISE_GROUP(8)
+#undef DRAFTWISE_GROUP
+        default: break;
+    }
+}
+
+}  // namespace
+
+// query: (rows, heads, dim); new_keys, new_values: (rows, kv_heads, dim); key_caches, value_caches: per sequence,
+// (layers, blocks, kv_heads, block, dim); row_sequence, row_committed: (rows,); path_offsets: (rows + 1,);
+// path_rows: this forward's rows on each row's path, in position order. Returns (rows, heads * dim).
+torch::Tensor ragged_attention(
+    const torch::Tensor& query, const torch::Tensor& new_keys, const torch::Tensor& new_values,
+    const std::vector<torch::Tensor>& key_caches, const std::vector<torch::Tensor>& value_caches, int64_t layer,
+    const torch::Tensor& row_sequence, const torch::Tensor& row_committed, const torch::Tensor& path_offsets,
+    const torch::Tensor& path_rows) {
+    TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query: contiguous (rows, heads, dim)");
+    // New keys and values may be column slices of a wider projection (rows apart by any stride).
+    for (const auto* fresh : {&new_keys, &new_values})
+        TORCH_CHECK(fresh->dim() == 3 && fresh->stride(2) == 1 && fresh->stride(1) == fresh->size(2),
+                    "new keys and values: (rows, kv_heads, dim), each row's heads contiguous");
+    TORCH_CHECK(key_caches.size() == value_caches.size() && !key_caches.empty(), "one key and value cache per sequence");
+    const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+    const int64_t kv_heads = new_keys.size(1), group = heads / kv_heads;
+    const int64_t block = key_caches[0].size(3);
+    TORCH_CHECK(group >= 1 && group <= 8 && heads == group * kv_heads, "1 to 8 query heads per key/value head");
+    TORCH_CHECK(dim <= kLanes * kMaxChunks, "head_dim up to 256");
+    for (size_t s = 0; s < key_caches.size(); ++s) {
+        TORCH_CHECK(key_caches[s].is_contiguous() && value_caches[s].is_contiguous(), "caches: contiguous");
+        TORCH_CHECK(key_caches[s].scalar_type() == query.scalar_type(), "caches in the query's dtype");
+    }
+    const int64_t* sequence_of = row_sequence.data_ptr<int64_t>();
+    const int64_t* committed_of = row_committed.data_ptr<int64_t>();
+    const int64_t* offsets = path_offsets.data_ptr<int64_t>();
+    const int64_t* paths = path_rows.data_ptr<int64_t>();
+    auto output = torch::empty({rows, heads * dim}, query.options());
+
+    auto run = [&](auto zero) {
+        using scalar_t = decltype(zero);
+        const scalar_t* queries = query.data_ptr<scalar_t>();
+        const scalar_t* fresh_keys = new_keys.data_ptr<scalar_t>();
+        const scalar_t* fresh_values = new_values.data_ptr<scalar_t>();
+        const int64_t key_row_stride = new_keys.stride(0), value_row_stride = new_values.stride(0);
+        std::vector<const scalar_t*> key_bases, value_bases;
+        for (size_t s = 0; s < key_caches.size(); ++s) {
+            key_bases.push_back(key_caches[s].data_ptr<scalar_t>() + layer * key_caches[s].stride(0));
+            value_bases.push_back(value_caches[s].data_ptr<scalar_t>() + layer * value_caches[s].stride(0));
+        }
+        const int64_t block_stride = key_caches[0].stride(1), head_stride = key_caches[0].stride(2);
+        scalar_t* out = output.data_ptr<scalar_t>();
+        // Rows of one sequence are consecutive: find each sequence's first row.
+        std::vector<int64_t> firsts;
+        for (int64_t row = 0; row < rows; ++row)
+            if (row == 0 || sequence_of[row] != sequence_of[row - 1]) firsts.push_back(row);
+        firsts.push_back(rows);
+        const int64_t runs = static_cast<int64_t>(firsts.size()) - 1;
+        at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+            Scratch scratch;
+            std::vector<const scalar_t*> row_queries;
+            std::vector<scalar_t*> row_outputs;
+            std::vector<const int64_t*> row_paths;
+            std::vector<int64_t> row_path_lengths;
+            for (int64_t task = begin; task < end; ++task) {
+                const int64_t run = task / kv_heads, head = task % kv_heads;
+                const int64_t first = firsts[run], count = firsts[run + 1] - first;
+                const int64_t sequence = sequence_of[first];
+                SequenceView<scalar_t> view{key_bases[sequence] + head * head_stride,
+                                            value_bases[sequence] + head * head_stride,
+                                            block, block_stride, committed_of[first],
+                                            fresh_keys + head * dim, fresh_values + head * dim,
+                                            key_row_stride, value_row_stride};
+                row_queries.clear();
+                row_outputs.clear();
+                row_paths.clear();
+                row_path_lengths.clear();
+                for (int64_t row = first; row < first + count; ++row) {
+                    row_queries.push_back(queries + (row * heads + head * group) * dim);
+                    row_outputs.push_back(out + (row * heads + head * group) * dim);
+                    row_paths.push_back(paths + offsets[row]);
+                    row_path_lengths.push_back(offsets[row + 1] - offsets[row]);
+                }
+                attend_sequence<scalar_t>(group, view, row_queries.data(), row_outputs.data(), count,
+                                          row_paths.data(), row_path_lengths.data(), dim, scratch);
+            }
+        });
+    };
+    switch (query.scalar_type()) {
+        case at::kFloat: run(float{}); break;
+        case at::kBFloat16: run(c10::BFloat16{}); break;
+        case at::kHalf: run(c10::Half{}); break;
+        default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+    }
+    return output;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+    module.def("ragged_attention", &ragged_attention, "Attention of ragged verification rows over block caches");
+}

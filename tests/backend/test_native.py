@@ -1,0 +1,166 @@
+"""The compiled attention kernel: agreement with exact attention, every row bitwise its result alone (whatever else
+shares the call, and at any thread count), batches of trees on the lean forward, and its layout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny import make_tiny_model, planned, repetitive_prompt
+
+import draftwise
+from draftwise.backend import native
+from draftwise.backend.attention import ragged_layout
+from draftwise.backend.lean import BLOCK, LeanTarget
+from draftwise.backend.rows import RowBlock
+from draftwise.decoding.tree import DraftTree
+from draftwise.errors import UnsupportedModelError
+
+pytestmark = pytest.mark.skipif(native.load_ragged_attention(warn=False) is None,
+                                reason=f"the attention kernel cannot be built here: {native.unavailable_reason()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: Agreement with attention in float64, by dtype (the output is rounded to the dtype).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def random_caches(generator, lengths, kv_heads, head_dim, dtype, layers=2):
+    blocks = [max(1, -(-(length + 40) // BLOCK)) for length in lengths]
+    keys = [torch.randn(layers, count, kv_heads, BLOCK, head_dim, generator=generator).to(dtype) for count in blocks]
+    values = [torch.randn(layers, count, kv_heads, BLOCK, head_dim, generator=generator).to(dtype) for count in blocks]
+    return keys, values
+
+
+def run(query, new_keys, new_values, keys, values, layer, lengths, parents):
+    layout = ragged_layout(lengths, parents)
+    return native.ragged_attention(query, new_keys, new_values, keys, values, layer, layout.row_sequence,
+                                   layout.row_committed, layout.path_offsets, layout.path_rows)
+
+
+def exact_attention(query, new_keys, new_values, keys, values, layer, lengths, parents):
+    """The same attention in float64 with an explicit gather of each row's keys."""
+    _, heads, head_dim = query.shape
+    kv_heads = new_keys.shape[1]
+    group = heads // kv_heads
+    outputs = []
+    start = 0
+    for sequence, (length, own) in enumerate(zip(lengths, parents)):
+        committed_keys = keys[sequence][layer].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :length]
+        committed_values = values[sequence][layer].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, :length]
+        paths: list[list[int]] = []
+        for row, parent in enumerate(own):
+            paths.append([start + row] if parent < 0 else [*paths[parent], start + row])
+            row_keys = torch.cat([committed_keys, new_keys[paths[-1]].transpose(0, 1)], 1).double()
+            row_values = torch.cat([committed_values, new_values[paths[-1]].transpose(0, 1)], 1).double()
+            q = query[start + row].view(kv_heads, group, head_dim).double()
+            weights = torch.softmax(q @ row_keys.transpose(1, 2), -1)
+            outputs.append((weights @ row_values).reshape(-1))
+        start += len(own)
+    return torch.stack(outputs)
+
+
+def problem(dtype, head_dim, group, lengths, parents, seed=0, kv_heads=2):
+    generator = torch.Generator().manual_seed(seed)
+    rows = sum(len(own) for own in parents)
+    keys, values = random_caches(generator, lengths, kv_heads, head_dim, dtype)
+    query = (torch.randn(rows, kv_heads * group, head_dim, generator=generator) / head_dim**0.5).to(dtype)
+    new_keys = torch.randn(rows, kv_heads, head_dim, generator=generator).to(dtype)
+    new_values = torch.randn(rows, kv_heads, head_dim, generator=generator).to(dtype)
+    return query, new_keys, new_values, keys, values
+
+
+TREE = (-1, 0, 0, 1, 1, 2, 5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "group"), [(8, 2), (64, 3), (128, 1), (80, 4)])
+def test_kernel_matches_exact_attention(dtype, head_dim, group):
+    lengths = [0, 5, BLOCK, 2 * BLOCK + 3]
+    parents = [(-1,), (-1, 0, 1), TREE, (-1,)]
+    inputs = problem(dtype, head_dim, group, lengths, parents)
+    output = run(*inputs, 1, lengths, parents)
+    expected = exact_attention(*inputs, 1, lengths, parents)
+    assert output.dtype == dtype and output.shape == expected.shape
+    torch.testing.assert_close(output.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_row_is_bitwise_its_result_alone(dtype):
+    """A row's output is the same bits whether it is alone, one of its sequence's tree or chain, or one row of a
+    batch of sequences; and whatever the thread count."""
+    lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0]
+    parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0)]
+    query, new_keys, new_values, keys, values = problem(dtype, 64, 3, lengths, parents, seed=3)
+    together = run(query, new_keys, new_values, keys, values, 0, lengths, parents)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(query, new_keys, new_values, keys, values, 0, lengths, parents), together)
+    finally:
+        torch.set_num_threads(threads)
+    start = 0
+    for sequence, (length, own) in enumerate(zip(lengths, parents)):
+        paths: list[list[int]] = []
+        for row, parent in enumerate(own):
+            paths.append([row] if parent < 0 else [*paths[parent], row])
+            # The row alone, as plain decoding computes it: its ancestors committed to the cache first.
+            cache_keys, cache_values = keys[sequence].clone(), values[sequence].clone()
+            for depth, ancestor in enumerate(paths[-1][:-1]):
+                position = length + depth
+                cache_keys[0, position // BLOCK, :, position % BLOCK] = new_keys[start + ancestor]
+                cache_values[0, position // BLOCK, :, position % BLOCK] = new_values[start + ancestor]
+            flat = start + row
+            alone = run(query[flat : flat + 1], new_keys[flat : flat + 1], new_values[flat : flat + 1],
+                        [cache_keys], [cache_values], 0, [length + len(paths[-1]) - 1], [(-1,)])
+            assert torch.equal(alone[0], together[flat]), (sequence, row)
+        start += len(own)
+
+
+def test_ragged_layout():
+    layout = ragged_layout([7, 2], [(-1, 0, 0, 2), (-1,)])
+    assert layout.row_sequence.tolist() == [0, 0, 0, 0, 1]
+    assert layout.row_committed.tolist() == [7, 7, 7, 7, 2]
+    assert layout.path_offsets.tolist() == [0, 1, 3, 5, 8, 9]
+    assert layout.path_rows.tolist() == [0, 0, 1, 0, 2, 0, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
+    """On the kernel a batch verifies whole trees (not only their best paths): every sequence's logits are bitwise
+    those of its forward alone, and batched generation gives every sequence its batch-1 ids."""
+    model = make_tiny_model("llama", seed=0).to(dtype)
+    target = planned(model, tmp_path)
+    assert target.attention_path == "kernel" and not target.batch_chains
+    rng = random.Random(6)
+    prompts = [repetitive_prompt(rng, low=10, high=90) for _ in range(4)]
+    vocab = model.config.vocab_size
+    trees = [DraftTree.from_paths([[rng.randrange(vocab) for _ in range(rng.randint(1, 4))] for _ in range(4)])
+             for _ in prompts]
+    blocks = [tree.rows(rng.randrange(vocab)) for tree in trees] + [RowBlock.chain([3])]
+    prompts.append(repetitive_prompt(rng, low=60, high=70))
+
+    def fresh_caches():
+        caches = [target.new_cache(128) for _ in prompts]
+        for cache, prompt in zip(caches, prompts):
+            target.prefill([cache], [prompt])
+        return caches
+
+    with torch.inference_mode():
+        together = target.forward(fresh_caches(), blocks).logits
+        alone = [target.forward([cache], [block]).logits[0] for cache, block in zip(fresh_caches(), blocks)]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    expected = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=30).token_ids
+                for p in prompts]
+    batched = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=30, max_batch=5)
+    assert [result.token_ids for result in batched] == expected
+
+
+def test_kernel_choice_is_explicit():
+    model = make_tiny_model("llama", seed=0)
+    assert LeanTarget(model, kernel=False).attention_path == "library"
+    assert LeanTarget(model, kernel=True).attention_path == "kernel"
+    wide = make_tiny_model("llama", seed=0, hidden_size=160, num_attention_heads=10, num_key_value_heads=1)
+    with pytest.raises(UnsupportedModelError, match="query heads per key/value head"):
+        LeanTarget(wide, kernel=True)
+    assert LeanTarget(wide).attention_path == "library"

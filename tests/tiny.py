@@ -280,6 +280,14 @@ def planned(model, folder, kernel: bool | None = None):
     return target
 
 
+def prefilled_caches(target, prompts, capacity: int) -> list:
+    """A fresh cache of ``capacity`` positions per prompt, each prompt prefilled alone."""
+    caches = [target.new_cache(capacity) for _ in prompts]
+    for cache, prompt in zip(caches, prompts):
+        target.prefill([cache], [prompt])
+    return caches
+
+
 def noisy_copy(model, noise: float = 0.02, seed: int = 99):
     """A copy of ``model`` with small random changes to its weights: a draft model that is often, not always, right."""
     import copy

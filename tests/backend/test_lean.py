@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from tiny import drafter_for, make_tiny_model, planned, repetitive_prompt
+from tiny import drafter_for, make_tiny_model, planned, prefilled_caches, repetitive_prompt
 
 import draftwise
 from draftwise.backend import invariance
@@ -240,16 +240,10 @@ def test_a_batch_over_the_row_limit_runs_as_several_forwards(dtype, tmp_path, mo
     prompts = [repetitive_prompt(rng, low=8, high=30) for _ in range(5)]
     blocks = [RowBlock.chain([rng.randrange(target.config.vocab_size) for _ in range(15)]) for _ in prompts]
 
-    def fresh_caches():
-        caches = [target.new_cache(64) for _ in prompts]
-        for cache, prompt in zip(caches, prompts):
-            target.prefill([cache], [prompt])
-        return caches
-
     with torch.inference_mode():
-        caches = fresh_caches()
+        caches = prefilled_caches(target, prompts, 64)
         together = target.forward(caches, blocks, hidden_states=True)
-        caches = fresh_caches()
+        caches = prefilled_caches(target, prompts, 64)
         alone = [target.forward([cache], [block]).logits[0] for cache, block in zip(caches, blocks)]
     assert len(together.logits) == len(together.hidden_states) == 5
     assert all(torch.equal(a, b) for a, b in zip(together.logits, alone))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from tiny import make_tiny_model, planned, repetitive_prompt
+from tiny import make_tiny_model, planned, prefilled_caches, repetitive_prompt
 
 import draftwise
 from draftwise.backend import native
@@ -139,16 +139,10 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
              for _ in prompts]
     blocks = [tree.rows(rng.randrange(vocab)) for tree in trees] + [RowBlock.chain([3])]
     prompts.append(repetitive_prompt(rng, low=60, high=70))
-
-    def fresh_caches():
-        caches = [target.new_cache(128) for _ in prompts]
-        for cache, prompt in zip(caches, prompts):
-            target.prefill([cache], [prompt])
-        return caches
-
     with torch.inference_mode():
-        together = target.forward(fresh_caches(), blocks).logits
-        alone = [target.forward([cache], [block]).logits[0] for cache, block in zip(fresh_caches(), blocks)]
+        together = target.forward(prefilled_caches(target, prompts, 128), blocks).logits
+        alone = [target.forward([cache], [block]).logits[0]
+                 for cache, block in zip(prefilled_caches(target, prompts, 128), blocks)]
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
     expected = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=30).token_ids
                 for p in prompts]

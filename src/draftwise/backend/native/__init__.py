@@ -82,7 +82,8 @@ def _load() -> tuple[Any | None, str | None]:
                 verbose=False,
             )
     except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a failed build: the library path stays)
-        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        lines = str(error).strip().splitlines()
+        return None, f"{type(error).__name__}: {lines[-1] if lines else ''}"
     return module, None
 
 

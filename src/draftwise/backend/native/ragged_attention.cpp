@@ -3,7 +3,8 @@
 // Every row's result is a function of its own query, keys and values alone, computed in an order fixed by its
 // position: the same instructions run for a row whether it is plain decoding's lone row, a node of a draft tree or
 // one row of a batch, so verification rows are bitwise plain decoding's by construction. Scores are computed key by
-// key (a fused multiply-add per head dimension, in dimension order), the weighted values position by position, and
+// key (sixteen lanes of products over the head dimensions, added in dimension order, then the lanes in a fixed
+// pairwise pattern), the weighted values position by position, and
 // the weights' total in sixteen interleaved partial sums added in a fixed pattern; rows are split between threads
 // whole, so the thread count changes nothing either.
 //

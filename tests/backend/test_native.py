@@ -17,8 +17,8 @@ from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
 from draftwise.errors import UnsupportedModelError
 
-pytestmark = pytest.mark.skipif(native.load_ragged_attention(warn=False) is None,
-                                reason=f"the attention kernel cannot be built here: {native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(native.load_kernels(warn=False) is None,
+                                reason=f"the kernels cannot be built here: {native.unavailable_reason()}")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: Agreement with attention in float64, by dtype (the output is rounded to the dtype).

@@ -245,13 +245,23 @@ class LeanTarget(Target):
         else:
             from . import native
 
-            module = native.load_ragged_attention(warn=wanted is None)
+            module = native.load_kernels(warn=wanted is None)
             if module is not None:
                 return module
             reason = native.unavailable_reason()
         if wanted:
             raise UnsupportedModelError(f"the attention kernel cannot run here: {reason}")
         return None
+
+    @property
+    def kernels_build(self) -> str | None:
+        """The compiled kernels' build key (:func:`draftwise.backend.native.build_key`), ``None`` on the library
+        path."""
+        if self.kernel is None:
+            return None
+        from . import native
+
+        return native.build_key()
 
     @property
     def attention_path(self) -> str:
@@ -349,7 +359,21 @@ class LeanTarget(Target):
 
     # --------------------------------------------------------------------------------------------- forward
 
+    def _mlp(self, layer: LeanLayer, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+        if self.kernel is not None:
+            # Each step's output already padded to the products' row count (see native.rms_norm).
+            padded = self.linear_min_rows
+            gate_up = layer.gate_up(self.kernel.rms_norm(hidden, layer.mlp_norm, self.eps, padded))
+            output = layer.down(self.kernel.silu_mul(gate_up, rows, padded))
+            return output[:rows] if output.shape[0] > rows else output
+        gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return layer.down(torch.nn.functional.silu(gate) * up)
+
     def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.rms_norm(hidden, weight, self.eps, 1)
         # transformers' order: in float32, scaled, cast back, then weighted.
         hidden32 = hidden.float()
         hidden32 = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -388,8 +412,8 @@ class LeanTarget(Target):
                 where = torch.arange(cache.length, cache.length + size, device=device)
                 slots.append((where // self.block, where % self.block))
         bounds = [sum(sizes[:index]) for index in range(len(sizes) + 1)]
-        cos = self.cos[positions][:, None]
-        sin = self.signed_sin[positions][:, None]
+        cos = self.cos[positions]
+        sin = self.signed_sin[positions]
         hidden = self.embedding[flat_tokens]
         skip_attention = skip.attention if skip is not None else frozenset()
         skip_mlp = skip.mlp if skip is not None else frozenset()
@@ -399,9 +423,7 @@ class LeanTarget(Target):
             if index not in skip_attention:
                 hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written)
             if index not in skip_mlp:
-                gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
-                gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-                hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
+                hidden = hidden + self._mlp(layer, hidden)
         if written:
             all_keys = torch.stack([keys for keys, _ in written])  # (layers, rows, kv_heads, head_dim)
             all_values = torch.stack([values for _, values in written])
@@ -426,13 +448,17 @@ class LeanTarget(Target):
         sequences with slots, and appends them to ``written`` (when given) for the others."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = hidden.shape[0]
-        qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
-        query_key = self._rotate(
-            qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin
-        )
-        queries = query_key[:, :heads] * self.scale
-        keys = query_key[:, heads:]
-        values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+        if self.kernel is not None:
+            qkv = layer.qkv(self.kernel.rms_norm(hidden, layer.attention_norm, self.eps, self.linear_min_rows))
+            queries, keys = self.kernel.rotate_queries_keys(qkv, cos, sin, rows, heads, kv_heads, self.scale)
+        else:
+            qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
+            query_key = self._rotate(
+                qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos[:, None], sin[:, None]
+            )
+            queries = query_key[:, :heads] * self.scale
+            keys = query_key[:, heads:]
+        values = qkv[:rows, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
         for sequence, (cache, slot) in enumerate(zip(caches, slots)):
             if slot is None:
                 continue

@@ -3,7 +3,10 @@
 :func:`ragged_attention` is one layer's attention for every row of a verification forward (lone rows, chains, tree
 nodes, of any number of sequences) in one call that reads each sequence's cache in place. The library path it
 replaces (:mod:`draftwise.backend.attention`) spends about 28 small operations per layer on what is a few
-thousand multiply-adds per row, and concatenates the caches of a batch at every layer.
+thousand multiply-adds per row, and concatenates the caches of a batch at every layer. :func:`rms_norm`,
+:func:`rotate_queries_keys` and :func:`silu_mul` do the forward's row-wise steps in one call each, where torch
+takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. Every kernel computes a
+row from that row alone, in an order fixed by the row's length, so a row's bits never depend on the call's size.
 
 The extension is built from its source with the machine's compiler the first time it is needed (about a minute,
 through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed
@@ -29,16 +32,20 @@ import torch
 
 from ..machine import cache_root, cpu_flags
 
-SOURCE = Path(__file__).with_name("ragged_attention.cpp")
+FOLDER = Path(__file__).parent
+#: The extension's sources (the Python module is defined in module.cpp).
+SOURCES = tuple(sorted(FOLDER.glob("*.cpp")))
+HEADERS = tuple(sorted(FOLDER.glob("*.h")))
 #: Compiler flags: the machine's own vector units, and no contraction of products and sums into fused multiply-adds,
 #: so that every inlined copy of the arithmetic (one per head group size, rows alone or several at once) rounds alike.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 
+@cache
 def build_key() -> str:
-    """What a build depends on: the source, the flags, torch's version and the CPU's flags."""
+    """What a build depends on: the sources, the flags, torch's version and the CPU's flags."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -75,8 +82,8 @@ def _load() -> tuple[Any | None, str | None]:
 
         with _ninja_on_path():
             module = load(
-                name=f"draftwise_ragged_attention_{key}",
-                sources=[str(SOURCE)],
+                name=f"draftwise_native_{key}",
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=list(CFLAGS),
                 build_directory=str(directory),
                 verbose=False,
@@ -87,14 +94,14 @@ def _load() -> tuple[Any | None, str | None]:
     return module, None
 
 
-def load_ragged_attention(warn: bool = True) -> Any | None:
-    """The compiled :func:`ragged_attention` module (built on first use), or ``None`` where it cannot be built (with
+def load_kernels(warn: bool = True) -> Any | None:
+    """The compiled module (built on first use), or ``None`` where it cannot be built (with
     a warning saying why, once, when ``warn``)."""
     module, reason = _load()
     if module is None and warn and not _warned:
         _warned.append(True)
-        warnings.warn(f"draftwise's attention kernel could not be built ({reason}); the lean forward uses its "
-                      "library path (exact, slower)", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"draftwise's kernels could not be built ({reason}); the lean forward uses its library "
+                      "path (exact, slower)", RuntimeWarning, stacklevel=2)
     return module
 
 
@@ -134,8 +141,33 @@ def ragged_attention(
     Returns:
         ``(rows, heads * head_dim)`` in the query's dtype.
     """
-    module = load_ragged_attention(warn=False)
-    if module is None:
-        raise RuntimeError(f"the attention kernel is not available here: {unavailable_reason()}")
-    return module.ragged_attention(query, new_keys, new_values, key_caches, value_caches, layer, row_sequence,
+    return _module().ragged_attention(query, new_keys, new_values, key_caches, value_caches, layer, row_sequence,
                                    row_committed, path_offsets, path_rows)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, min_rows: int = 1) -> torch.Tensor:
+    """RMSNorm of every row of ``hidden`` ``(rows, dim)`` (transformers' order: normalised in float32, cast to the
+    dtype, then weighted), returned with at least ``min_rows`` rows (the extra ones zero)."""
+    return _module().rms_norm(hidden, weight, eps, min_rows)
+
+
+def silu_mul(gate_up: torch.Tensor, rows: int, min_rows: int = 1) -> torch.Tensor:
+    """``silu(gate) * up`` of the first ``rows`` rows of ``gate_up`` ``(rows', 2 * width)`` (gate columns first),
+    computed in float32 and rounded once, returned with at least ``min_rows`` rows (the extra ones zero)."""
+    return _module().silu_mul(gate_up, rows, min_rows)
+
+
+def rotate_queries_keys(
+    qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rows: int, heads: int, kv_heads: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of the first ``rows`` rows of the fused projections ``qkv`` ``(rows', (heads + 2 *
+    kv_heads) * dim)``: queries times ``scale`` ``(rows, heads, dim)`` and keys ``(rows, kv_heads, dim)``.
+    ``cos`` and ``signed_sin`` ``(rows, dim)`` are each row's position's (``signed_sin``'s first half negated)."""
+    return _module().rotate_queries_keys(qkv, cos, signed_sin, rows, heads, kv_heads, scale)
+
+
+def _module() -> Any:
+    module = load_kernels(warn=False)
+    if module is None:
+        raise RuntimeError(f"draftwise's kernels are not available here: {unavailable_reason()}")
+    return module

@@ -1,0 +1,193 @@
+// The lean forward's row-wise operations (RMSNorm, rotary embedding, SiLU gating), one call each for all rows.
+//
+// As in the attention kernel, a row's result depends on that row alone: every element goes through the same
+// instructions (sums of squares in sixteen lanes over the dimensions, in order, then a fixed pairwise lane sum), so
+// plain decoding's lone row and the same row inside a verification forward of any size come out bitwise equal. Each
+// call replaces three to eight small torch operations, whose fixed cost per call dominates a one-row forward.
+//
+// ``min_rows``: the outputs that feed a linear product get at least that many rows, the extra ones zero, so the
+// product runs at the row count the machine's kernel is fastest and invariant at without another copy.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "vectors.h"
+
+namespace {
+
+using namespace draftwise;
+
+// Rows per thread below which a call stays on one thread (a thread hand-off costs more than a few rows).
+constexpr int64_t kRowsPerTask = 8;
+
+// ``count`` (at most sixteen) lanes of ``lanes`` into ``target``, rounded to its dtype (round to nearest even).
+template <typename scalar_t>
+inline void store(scalar_t* target, floats16 lanes, int64_t count) {
+    for (int64_t lane = 0; lane < count; ++lane) target[lane] = static_cast<scalar_t>(lanes[lane]);
+}
+
+// ``lanes`` rounded to the dtype and back: what a torch operation producing that dtype leaves.
+template <typename scalar_t>
+inline floats16 rounded(floats16 lanes) {
+    scalar_t narrow[kLanes];
+    store(narrow, lanes, kLanes);
+    return load16(narrow);
+}
+
+template <>
+inline floats16 rounded<float>(floats16 lanes) {
+    return lanes;
+}
+
+template <typename scalar_t>
+void rms_norm_row(const scalar_t* row, const scalar_t* weight, int64_t dim, float eps, scalar_t* out) {
+    const int64_t chunks = (dim + kLanes - 1) / kLanes;
+    floats16 squares = {};
+    for (int64_t c = 0; c < chunks; ++c) {
+        const floats16 x = load_chunk(row, c, dim);
+        squares = squares + x * x;
+    }
+    const float inverse = 1.0f / std::sqrt(horizontal_sum(squares) / static_cast<float>(dim) + eps);
+    for (int64_t c = 0; c < chunks; ++c) {
+        // transformers' order: normalised in float32, cast to the model's dtype, then weighted.
+        const floats16 normed = rounded<scalar_t>(load_chunk(row, c, dim) * inverse);
+        store(out + c * kLanes, normed * load_chunk(weight, c, dim), std::min<int64_t>(kLanes, dim - c * kLanes));
+    }
+}
+
+// x * sigmoid(x) for sixteen lanes, through exp of a non-positive argument on both sides of zero.
+inline floats16 silu(floats16 x) {
+    const floats16 magnitude = x < 0 ? -x : x;
+    const floats16 e = exp_nonpositive(-magnitude);
+    const floats16 sigmoid = x < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+    return x * sigmoid;
+}
+
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t width, scalar_t* out) {
+    const int64_t chunks = (width + kLanes - 1) / kLanes;
+    for (int64_t c = 0; c < chunks; ++c) {
+        store(out + c * kLanes, silu(load_chunk(gate, c, width)) * load_chunk(up, c, width),
+              std::min<int64_t>(kLanes, width - c * kLanes));
+    }
+}
+
+// One head vector rotated: out[i] = x[i] cos[i] + x[(i + half) mod dim] signed_sin[i] (signed_sin's first half
+// negated: rotate_half's sign), times ``scale``, in float32, rounded once.
+template <typename scalar_t>
+inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* signed_sin, int64_t dim, float scale,
+                        scalar_t* out) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; ++i) {
+        const float partner = static_cast<float>(x[i < half ? i + half : i - half]);
+        const float value = static_cast<float>(x[i]) * static_cast<float>(cos[i]) + partner * static_cast<float>(signed_sin[i]);
+        out[i] = static_cast<scalar_t>(value * scale);
+    }
+}
+
+template <typename Function>
+void dispatch(const torch::Tensor& tensor, Function&& function) {
+    switch (tensor.scalar_type()) {
+        case at::kFloat: function(float{}); break;
+        case at::kBFloat16: function(c10::BFloat16{}); break;
+        case at::kHalf: function(c10::Half{}); break;
+        default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+    }
+}
+
+void check_rows(const torch::Tensor& tensor, const char* name) {
+    TORCH_CHECK(tensor.dim() == 2 && tensor.stride(1) == 1, name, ": (rows, width), each row contiguous");
+}
+
+}  // namespace
+
+// hidden: (rows, dim); weight: (dim,). Returns (max(rows, min_rows), dim), the extra rows zero.
+torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps, int64_t min_rows) {
+    check_rows(hidden, "hidden");
+    const int64_t rows = hidden.size(0), dim = hidden.size(1);
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight: (dim,)");
+    TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight in the hidden states' dtype");
+    const int64_t out_rows = std::max(rows, min_rows);
+    auto output = out_rows > rows ? torch::zeros({out_rows, dim}, hidden.options())
+                                  : torch::empty({out_rows, dim}, hidden.options());
+    dispatch(hidden, [&](auto zero) {
+        using scalar_t = decltype(zero);
+        const scalar_t* in = hidden.data_ptr<scalar_t>();
+        const scalar_t* gains = weight.data_ptr<scalar_t>();
+        scalar_t* out = output.data_ptr<scalar_t>();
+        const int64_t stride = hidden.stride(0);
+        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row)
+                rms_norm_row(in + row * stride, gains, dim, static_cast<float>(eps), out + row * dim);
+        });
+    });
+    return output;
+}
+
+// gate_up: (rows, 2 * width), the gate's columns first. Returns silu(gate) * up, (max(rows, min_rows), width).
+torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t rows, int64_t min_rows) {
+    check_rows(gate_up, "gate_up");
+    TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
+    TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
+    const int64_t width = gate_up.size(1) / 2;
+    const int64_t out_rows = std::max(rows, min_rows);
+    auto output = out_rows > rows ? torch::zeros({out_rows, width}, gate_up.options())
+                                  : torch::empty({out_rows, width}, gate_up.options());
+    dispatch(gate_up, [&](auto zero) {
+        using scalar_t = decltype(zero);
+        const scalar_t* in = gate_up.data_ptr<scalar_t>();
+        scalar_t* out = output.data_ptr<scalar_t>();
+        const int64_t stride = gate_up.stride(0);
+        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row)
+                silu_mul_row(in + row * stride, in + row * stride + width, width, out + row * width);
+        });
+    });
+    return output;
+}
+
+// qkv: (rows, (heads + 2 kv_heads) dim), the rows' fused projections (only the first ``rows`` are read); cos,
+// signed_sin: (rows, dim), each row's position's. Returns the rotated queries times ``scale``, (rows, heads, dim),
+// and the rotated keys, (rows, kv_heads, dim); the values stay in qkv.
+std::tuple<torch::Tensor, torch::Tensor> rotate_queries_keys(
+    const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t rows, int64_t heads,
+    int64_t kv_heads, double scale) {
+    check_rows(qkv, "qkv");
+    TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == signed_sin.sizes(),
+                "cos, signed_sin: contiguous (rows, dim)");
+    const int64_t dim = cos.size(1);
+    TORCH_CHECK(rows <= qkv.size(0) && cos.size(0) >= rows, "one cos and sin row per row");
+    TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: (rows, (heads + 2 kv_heads) dim)");
+    TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && signed_sin.scalar_type() == qkv.scalar_type(),
+                "cos and sin in qkv's dtype");
+    auto queries = torch::empty({rows, heads, dim}, qkv.options());
+    auto keys = torch::empty({rows, kv_heads, dim}, qkv.options());
+    dispatch(qkv, [&](auto zero) {
+        using scalar_t = decltype(zero);
+        const scalar_t* in = qkv.data_ptr<scalar_t>();
+        const scalar_t* cosines = cos.data_ptr<scalar_t>();
+        const scalar_t* sines = signed_sin.data_ptr<scalar_t>();
+        scalar_t* query_out = queries.data_ptr<scalar_t>();
+        scalar_t* key_out = keys.data_ptr<scalar_t>();
+        const int64_t stride = qkv.stride(0);
+        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row) {
+                const scalar_t* source = in + row * stride;
+                const scalar_t* row_cos = cosines + row * dim;
+                const scalar_t* row_sin = sines + row * dim;
+                for (int64_t head = 0; head < heads; ++head)
+                    rotate_head(source + head * dim, row_cos, row_sin, dim, static_cast<float>(scale),
+                                query_out + (row * heads + head) * dim);
+                for (int64_t head = 0; head < kv_heads; ++head)
+                    rotate_head(source + (heads + head) * dim, row_cos, row_sin, dim, 1.0f,
+                                key_out + (row * kv_heads + head) * dim);
+            }
+        });
+    });
+    return {queries, keys};
+}

@@ -3,8 +3,9 @@
 // Every row's result is a function of its own query, keys and values alone, computed in an order fixed by its
 // position: the same instructions run for a row whether it is plain decoding's lone row, a node of a draft tree or
 // one row of a batch, so verification rows are bitwise plain decoding's by construction. Scores are computed key by
-// key (sixteen lanes of products over the head dimensions, added in dimension order, then the lanes in a fixed
-// pairwise pattern), the weighted values position by position, and
+// key (sixteen lanes of multiply-adds over the head dimensions, in dimension order, then the lanes in a fixed
+// pairwise pattern, for sixteen committed keys at once with the same pattern), the weighted values position by
+// position, and
 // the weights' total in sixteen interleaved partial sums added in a fixed pattern; rows are split between threads
 // whole, so the thread count changes nothing either.
 //
@@ -53,19 +54,35 @@ inline void load_vector(const scalar_t* source, int64_t chunks, int64_t dim, flo
     for (int64_t c = 0; c < chunks; ++c) out[c] = load_chunk(source, c, dim);
 }
 
-// The scores of ``rows`` rows' ``G`` query heads against one key: each a product per sixteen dimensions, added in
-// dimension order, then the fixed pairwise sum of the sixteen lanes. The same arithmetic for every (row, key).
+// A query's products with a key, sixteen lanes of dimensions multiplied and added in dimension order: the lanes
+// whose fixed pairwise sum (horizontal_sum, or horizontal_sums for sixteen keys at once) is the score. The same
+// arithmetic for every (row, key).
+inline floats16 score_lanes(const floats16* query, const floats16* key, int64_t chunks) {
+    floats16 total = {};
+    for (int64_t c = 0; c < chunks; ++c) total = multiply_add(query[c], key[c], total);
+    return total;
+}
+
+// The scores of one row's ``G`` query heads against one key (this forward's rows on its path).
 template <int G>
-inline void score_key(const floats16* queries, const floats16* key, int64_t rows, int64_t chunks, float* scores,
-                      int64_t padded, int64_t position) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const floats16* q = queries + r * G * chunks;
-        floats16 totals[G];
-        for (int g = 0; g < G; ++g) totals[g] = floats16{};
-        for (int64_t c = 0; c < chunks; ++c)
-            for (int g = 0; g < G; ++g) totals[g] = totals[g] + q[g * chunks + c] * key[c];
-        for (int g = 0; g < G; ++g) scores[(r * G + g) * padded + position] = horizontal_sum(totals[g]);
-    }
+inline void score_key(const floats16* queries, const floats16* key, int64_t chunks, float* scores, int64_t padded,
+                      int64_t position) {
+    for (int g = 0; g < G; ++g) scores[g * padded + position] = horizontal_sum(score_lanes(queries + g * chunks, key, chunks));
+}
+
+// The scores of ``rows`` rows' ``G`` query heads against ``count`` (at most sixteen) consecutive committed keys from
+// ``position``; ``keys`` holds sixteen (those past ``count`` are ignored).
+template <int G>
+inline void score_keys(const floats16* queries, const floats16 (*keys)[kMaxChunks], int64_t count, int64_t rows,
+                       int64_t chunks, float* scores, int64_t padded, int64_t position) {
+    floats16 lanes[kLanes];
+    for (int64_t r = 0; r < rows; ++r)
+        for (int g = 0; g < G; ++g) {
+            const floats16* q = queries + (r * G + g) * chunks;
+            for (int k = 0; k < kLanes; ++k) lanes[k] = score_lanes(q, keys[k], chunks);
+            const floats16 sums = horizontal_sums(lanes);
+            std::memcpy(scores + (r * G + g) * padded + position, &sums, count * sizeof(float));
+        }
 }
 
 // Adds one value, weighted by each row's and query head's weight at ``position``, to their sums.
@@ -76,8 +93,33 @@ inline void add_value(const float* weights, const floats16* value, int64_t rows,
         for (int g = 0; g < G; ++g) {
             const float weight = weights[(r * G + g) * padded + position];
             floats16* sum = sums + (r * G + g) * chunks;
-            for (int64_t c = 0; c < chunks; ++c) sum[c] = sum[c] + weight * value[c];
+            const floats16 broadcast = floats16{} + weight;
+            for (int64_t c = 0; c < chunks; ++c) sum[c] = multiply_add(broadcast, value[c], sum[c]);
         }
+}
+
+// Adds the committed values, weighted, to the sums of ``T`` rows (from ``first``) and their ``G`` query heads: the
+// same multiply-adds in the same position order as add_value, with the sums held in registers and each value
+// converted once for the ``T`` rows.
+template <typename scalar_t, int G, int C, int T>
+inline void add_committed_values(const SequenceView<scalar_t>& view, const float* weights, int64_t first, int64_t dim,
+                                 floats16* sums, int64_t padded) {
+    floats16 totals[T][G][C];
+    for (int t = 0; t < T; ++t)
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) totals[t][g][c] = sums[((first + t) * G + g) * C + c];
+    floats16 value[C];
+    for (int64_t p = 0; p < view.committed; ++p) {
+        load_vector(view.values + (p / view.block) * view.block_stride + (p % view.block) * dim, C, dim, value);
+        for (int t = 0; t < T; ++t)
+            for (int g = 0; g < G; ++g) {
+                const floats16 broadcast = floats16{} + weights[((first + t) * G + g) * padded + p];
+                for (int c = 0; c < C; ++c) totals[t][g][c] = multiply_add(broadcast, value[c], totals[t][g][c]);
+            }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) sums[((first + t) * G + g) * C + c] = totals[t][g][c];
 }
 
 // One sequence's rows (``rows`` of them; row ``r``'s path of ``path_lengths[r]`` new rows at ``paths[r]``) for one
@@ -102,18 +144,21 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
     for (int64_t r = 0; r < rows; ++r)
         for (int g = 0; g < G; ++g) load_vector(queries[r] + g * dim, chunks, dim, query_vectors + (r * G + g) * chunks);
 
-    floats16 vector[kMaxChunks];
-    for (int64_t start = 0; start < committed; start += view.block) {
-        const scalar_t* keys = view.keys + (start / view.block) * view.block_stride;
-        for (int64_t p = start; p < std::min(committed, start + view.block); ++p) {
-            load_vector(keys + (p - start) * dim, chunks, dim, vector);
-            score_key<G>(query_vectors, vector, rows, chunks, scores, padded, p);
+    // Committed keys sixteen at a time (their lanes summed together), converted once for all rows.
+    floats16 keys[kLanes][kMaxChunks] = {};
+    for (int64_t start = 0; start < committed; start += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, committed - start);
+        for (int64_t k = 0; k < count; ++k) {
+            const int64_t p = start + k;
+            load_vector(view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim, chunks, dim, keys[k]);
         }
+        score_keys<G>(query_vectors, keys, count, rows, chunks, scores, padded, start);
     }
+    floats16 vector[kMaxChunks];
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < path_lengths[r]; ++j) {
             load_vector(view.fresh_keys + paths[r][j] * view.fresh_key_stride, chunks, dim, vector);
-            score_key<G>(query_vectors + r * G * chunks, vector, 1, chunks, scores + r * G * padded, padded,
+            score_key<G>(query_vectors + r * G * chunks, vector, chunks, scores + r * G * padded, padded,
                          committed + j);
         }
     for (int64_t r = 0; r < rows; ++r) {
@@ -134,11 +179,21 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             scratch.totals[r * G + g] = horizontal_sum(lanes);
         }
     }
-    for (int64_t start = 0; start < committed; start += view.block) {
-        const scalar_t* values = view.values + (start / view.block) * view.block_stride;
-        for (int64_t p = start; p < std::min(committed, start + view.block); ++p) {
-            load_vector(values + (p - start) * dim, chunks, dim, vector);
-            add_value<G>(scores, vector, rows, chunks, sums, padded, p);
+    if constexpr (C > 0 && G * C <= 12) {
+        // Two rows at a time where their sums fit in registers (24 of them), one at a time otherwise.
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2)
+            add_committed_values<scalar_t, G, C, 2>(view, scores, r, dim, sums, padded);
+        for (; r < rows; ++r) add_committed_values<scalar_t, G, C, 1>(view, scores, r, dim, sums, padded);
+    } else if constexpr (C > 0 && G * C <= 32) {
+        for (int64_t r = 0; r < rows; ++r) add_committed_values<scalar_t, G, C, 1>(view, scores, r, dim, sums, padded);
+    } else {
+        for (int64_t start = 0; start < committed; start += view.block) {
+            const scalar_t* values = view.values + (start / view.block) * view.block_stride;
+            for (int64_t p = start; p < std::min(committed, start + view.block); ++p) {
+                load_vector(values + (p - start) * dim, chunks, dim, vector);
+                add_value<G>(scores, vector, rows, chunks, sums, padded, p);
+            }
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -113,7 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .api import sampling_params
     from .bench import Benchmark, BenchSettings, parse_methods, parse_sweep, write_json
     from .bench.batched import parse_batch_sizes
-    from .bench.report import summary_tables
+    from .bench.report import floor_line, summary_tables
 
     settings = BenchSettings(
         methods=parse_methods(args.methods) + [spec for text in args.method or [] for spec in parse_methods(text)],
@@ -163,6 +163,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     output = Console() if sys.stdout.isatty() else Console(width=200)  # a file or pipe needs no wrapping
     for table in summary_tables(summary):
         output.print(table)
+    floor = floor_line(summary, benchmark.environment)
+    if floor:
+        output.print(floor)
     if args.out:
         console.print(f"runs saved in {args.out} (draftwise report {args.out} --out DIR for a report with charts)")
     if args.json:

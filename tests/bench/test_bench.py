@@ -653,6 +653,30 @@ def test_environment_records_the_machine(tiny_llama):
     for key in ("cpu", "threads", "device", "dtype", "torch", "transformers", "peak_memory"):
         assert env[key], key
     assert bench.model_digest("no/such/model") == {"sha256": None, "sha256_of": None}
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in tiny_llama.model.parameters())
+    assert env["weights_mb"] == pytest.approx(weights / 1e6)
+    assert env["read_gb_per_s"] > 0
+    assert env["floor_ms_per_token"] == pytest.approx(env["weights_mb"] / env["read_gb_per_s"])
+
+
+def test_tied_weights_count_once():
+    from torch import nn
+
+    from draftwise.backend.machine import weight_bytes
+
+    embedding = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    assert weight_bytes(nn.ModuleList([embedding, head])) == 10 * 4 * 4
+
+
+def test_floor_line():
+    env = {"floor_ms_per_token": 5.0, "weights_mb": 270.0, "read_gb_per_s": 54.0}
+    summary = {OVERALL: {"ar": {"tokens_per_s": 100.0}}}
+    assert bench.report.floor_line(summary, env) == (
+        "bandwidth floor: 5.0 ms a token (270 MB of weights at 54 GB/s read); ar: 10.0 ms a token, 2.00x the floor")
+    assert bench.report.floor_line({OVERALL: {"pld": {"tokens_per_s": 1.0}}}, env) is None
+    assert bench.report.floor_line(summary, {}) is None
 
 
 def test_model_digest_of_files(tmp_path):

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,35 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """The dtype ``dtype="auto"`` picks: bfloat16 where the device computes it natively, float32 otherwise."""
     return torch.bfloat16 if native_bf16(device) else torch.float32
+
+
+def read_bandwidth(device: torch.device | str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """The memory read bandwidth of ``device`` in bytes per second, measured now: the median time to sum a buffer of
+    ``megabytes`` (bigger than any cache) with the current threads. A one-row forward cannot take less than the
+    model's weight bytes over this."""
+    device = torch.device(device)
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first pass warms the pages up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / statistics.median(times[1:])
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters, each tensor once (a tied output head and embedding count once)."""
+    seen: set[int] = set()
+    total = 0
+    for parameter in model.parameters():
+        if parameter.data_ptr() not in seen:
+            seen.add(parameter.data_ptr())
+            total += parameter.numel() * parameter.element_size()
+    return total
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..backend.machine import cpu_model
+from ..backend.machine import cpu_model, read_bandwidth, weight_bytes
 
 
 class PeakMemoryMeter:
@@ -127,6 +127,18 @@ def _row_plan(model: Any) -> dict[str, Any] | None:
     }
 
 
+def bandwidth_floor(model: Any) -> dict[str, float | None]:
+    """The fastest plain decoding can be on this machine: every weight read once a token, at the read bandwidth
+    measured now (``weights_mb``, ``read_gb_per_s``, ``floor_ms_per_token``)."""
+    weights = weight_bytes(model.model) if hasattr(model, "model") else weight_bytes(model)
+    bandwidth = read_bandwidth(model.device)
+    return {
+        "weights_mb": weights / 1e6,
+        "read_gb_per_s": bandwidth / 1e9,
+        "floor_ms_per_token": 1000 * weights / bandwidth,
+    }
+
+
 def _draftwise_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -166,6 +178,7 @@ def environment(
         "transformers": transformers.__version__,
         "draftwise": _draftwise_version(),
         "peak_memory": memory or PeakMemoryMeter(model.device).kind,
+        **bandwidth_floor(model),
     }
     if draft_model_name is not None:
         draft_digest = model_digest(draft_model_name)

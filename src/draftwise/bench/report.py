@@ -85,6 +85,19 @@ def summary_tables(summary: Summary) -> list[Table]:
     return tables
 
 
+def floor_line(summary: Summary, environment: Mapping[str, Any]) -> str | None:
+    """How far plain decoding (``ar``, overall) is from the machine's bandwidth floor (every weight read once a
+    token, see :func:`draftwise.bench.environment.bandwidth_floor`); ``None`` without both."""
+    floor = environment.get("floor_ms_per_token")
+    plain = summary.get("overall", {}).get("ar")
+    if not floor or not plain or not plain.get("tokens_per_s"):
+        return None
+    per_token = 1000 / plain["tokens_per_s"]
+    return (f"bandwidth floor: {floor:.1f} ms a token ({environment['weights_mb']:.0f} MB of weights at "
+            f"{environment['read_gb_per_s']:.0f} GB/s read); ar: {per_token:.1f} ms a token, {per_token / floor:.2f}x "
+            "the floor")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # draftwise report
 
@@ -157,6 +170,9 @@ def _run_description(run: Run) -> list[str]:
     if config.get("sampling"):
         lines.append(f"- sampling: {config['sampling']}")
     lines.append(f"- peak memory: {env.get('peak_memory', '-')}")
+    floor = floor_line(run.summary, env)
+    if floor:
+        lines.append(f"- {floor}")
     return lines
 
 

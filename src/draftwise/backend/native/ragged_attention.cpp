@@ -274,10 +274,23 @@ torch::Tensor ragged_attention(
         }
         const int64_t block_stride = key_caches[0].stride(1), head_stride = key_caches[0].stride(2);
         scalar_t* out = output.data_ptr<scalar_t>();
-        // Rows of one sequence are consecutive: find each sequence's first row.
-        std::vector<int64_t> firsts;
+        // Rows of one sequence are consecutive: find each sequence's first row. With fewer (sequence, head) tasks
+        // than a few per thread, a sequence's rows are split into runs of their own (a row's result does not depend
+        // on which rows share its run), so that threads get even shares: one sequence's tree over three key heads
+        // would leave one of two threads idle a third of the time.
+        std::vector<int64_t> starts;
         for (int64_t row = 0; row < rows; ++row)
-            if (row == 0 || sequence_of[row] != sequence_of[row - 1]) firsts.push_back(row);
+            if (row == 0 || sequence_of[row] != sequence_of[row - 1]) starts.push_back(row);
+        const int64_t sequences = static_cast<int64_t>(starts.size());
+        starts.push_back(rows);
+        const int64_t wanted = 4 * at::get_num_threads();
+        const int64_t parts = std::max<int64_t>(1, (wanted + sequences * kv_heads - 1) / (sequences * kv_heads));
+        std::vector<int64_t> firsts;
+        for (int64_t s = 0; s < sequences; ++s) {
+            const int64_t first = starts[s], count = starts[s + 1] - first;
+            const int64_t pieces = std::min(parts, count);
+            for (int64_t piece = 0; piece < pieces; ++piece) firsts.push_back(first + count * piece / pieces);
+        }
         firsts.push_back(rows);
         const int64_t runs = static_cast<int64_t>(firsts.size()) - 1;
         at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {

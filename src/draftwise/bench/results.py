@@ -84,11 +84,17 @@ def results_header(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[st
     return {"format": RESULTS_FORMAT, "config": dict(config), "environment": dict(env)}
 
 
+#: Environment entries measured anew at every start (they vary between runs on one machine): not compared on resume.
+MEASURED_ENVIRONMENT = ("read_gb_per_s", "floor_ms_per_token")
+
+
 def _header_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     differences = []
     for section in ("config", "environment"):
         old, new = saved.get(section, {}), current.get(section, {})
         for key in sorted(set(old) | set(new)):
+            if section == "environment" and key in MEASURED_ENVIRONMENT:
+                continue
             if old.get(key) != new.get(key):
                 differences.append(f"{section}.{key}: {old.get(key)!r} in the file, {new.get(key)!r} now")
     return differences

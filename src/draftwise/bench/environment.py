@@ -129,8 +129,13 @@ def _row_plan(model: Any) -> dict[str, Any] | None:
 
 def bandwidth_floor(model: Any) -> dict[str, float | None]:
     """The fastest plain decoding can be on this machine: every weight read once a token, at the read bandwidth
-    measured now (``weights_mb``, ``read_gb_per_s``, ``floor_ms_per_token``)."""
-    weights = weight_bytes(model.model) if hasattr(model, "model") else weight_bytes(model)
+    measured now (``weights_mb``, ``read_gb_per_s``, ``floor_ms_per_token``). An input embedding that is not also
+    the output head is left out: a token reads one of its rows."""
+    network = model if hasattr(model, "get_output_embeddings") else model.model  # (a target holds its model)
+    weights = weight_bytes(network)
+    embedding, head = network.get_input_embeddings(), network.get_output_embeddings()
+    if embedding is not None and (head is None or head.weight.data_ptr() != embedding.weight.data_ptr()):
+        weights -= embedding.weight.numel() * embedding.weight.element_size()
     bandwidth = read_bandwidth(model.device)
     return {
         "weights_mb": weights / 1e6,

@@ -182,9 +182,10 @@ class LeanTarget(Target):
             :func:`draftwise.backend.invariance.plan_rows`; 1 until then).
         attention_min_rows: the same for attention's products.
         packed: pack weights for oneDNN (default: where available).
-        kernel: run attention through the compiled kernel (:mod:`draftwise.backend.native`): ``None`` (default)
-            where it can (on CPUs, where it builds; the library path otherwise, with a warning), ``True`` to insist
-            (an error where it cannot), ``False`` for the library path (:mod:`draftwise.backend.attention`).
+        kernel: run attention and the row-wise steps (RMSNorm, rotary embedding, SiLU gating) through the compiled
+            kernels (:mod:`draftwise.backend.native`): ``None`` (default) where it can (on CPUs, where they build;
+            the library path otherwise, with a warning), ``True`` to insist (an error where it cannot), ``False``
+            for the library path (torch operations; attention by :mod:`draftwise.backend.attention`).
     """
 
     backend = "lean"
@@ -250,7 +251,7 @@ class LeanTarget(Target):
                 return module
             reason = native.unavailable_reason()
         if wanted:
-            raise UnsupportedModelError(f"the attention kernel cannot run here: {reason}")
+            raise UnsupportedModelError(f"the compiled kernels cannot run here: {reason}")
         return None
 
     @property
@@ -265,7 +266,8 @@ class LeanTarget(Target):
 
     @property
     def attention_path(self) -> str:
-        """``"kernel"`` (the compiled kernel) or ``"library"`` (torch operations) for attention's decode rows."""
+        """``"kernel"`` (the compiled kernels) or ``"library"`` (torch operations) for attention's decode rows and
+        the row-wise steps."""
         return "kernel" if self.kernel is not None else "library"
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> Linear:

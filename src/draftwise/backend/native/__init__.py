@@ -6,13 +6,14 @@ replaces (:mod:`draftwise.backend.attention`) spends about 28 small operations p
 thousand multiply-adds per row, and concatenates the caches of a batch at every layer. :func:`rms_norm`,
 :func:`rotate_queries_keys` and :func:`silu_mul` do the forward's row-wise steps in one call each, where torch
 takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. Every kernel computes a
-row from that row alone, in an order fixed by the row's length, so a row's bits never depend on the call's size.
+row from that row alone, in an order fixed by its position and width, so a row's bits never depend on the call's
+size.
 
-The extension is built from its source with the machine's compiler the first time it is needed (about a minute,
+The extension is built from its sources with the machine's compiler the first time it is needed (about a minute,
 through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed
-by the source, the torch version and the CPU's flags, so a machine with other vector units builds its own. Where it
-cannot be built (no compiler), :func:`load_ragged_attention` says why and the lean forward keeps the library path,
-which is as exact, only slower.
+by the sources, the torch version and the CPU's flags, so a machine with other vector units builds its own. Where it
+cannot be built (no compiler), :func:`load_kernels` says why and the lean forward keeps the library path, which is
+as exact, only slower.
 """
 
 from __future__ import annotations

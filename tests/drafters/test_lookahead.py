@@ -11,6 +11,7 @@ from tiny import VOCAB, make_tiny_model, repetitive_prompt
 
 import draftwise
 from draftwise.decoding.drafter import StepOutcome
+from draftwise.decoding.latency import LatencyModel
 from draftwise.decoding.sampling import SamplingParams, transform_logits
 from draftwise.decoding.tree import DraftTree
 from draftwise.decoding.verify import Verification
@@ -299,7 +300,11 @@ def _ar(model, prompt, max_new_tokens, **options):
         ("lookahead:window=1,levels=2,guess_set=0", 16, 4),
     ],
 )
-def test_greedy_ids_match_ar(tiny_model, spec, budget, seed):
+def test_greedy_ids_match_ar(tiny_model, spec, budget, seed, monkeypatch):
+    # Rows priced as free, whatever is measured: whether a tiny model's drafts pay for their drafting time depends on
+    # the machine's load, and this test is about lookahead's drafts being exact and accepted.
+    monkeypatch.setattr(LatencyModel, "of", classmethod(lambda cls, target: cls(prior={1: 1.0, 1024: 1.0})))
+    monkeypatch.setattr(LatencyModel, "record", lambda self, *args, **kwargs: None)
     drafter = draftwise.make_drafter(spec)  # one instance: the pool carries over between prompts
     steps = tokens = 0
     for prompt, max_new_tokens in _cases(seed):

@@ -3,11 +3,11 @@
 // Every row's result is a function of its own query, keys and values alone, computed in an order fixed by its
 // position: the same instructions run for a row whether it is plain decoding's lone row, a node of a draft tree or
 // one row of a batch, so verification rows are bitwise plain decoding's by construction. Scores are computed key by
-// key (sixteen lanes of multiply-adds over the head dimensions, in dimension order, then the lanes in a fixed
-// pairwise pattern, for sixteen committed keys at once with the same pattern), the weighted values position by
-// position, and
-// the weights' total in sixteen interleaved partial sums added in a fixed pattern; rows are split between threads
-// whole, so the thread count changes nothing either.
+// key (sixteen lanes of multiply-adds over the head dimensions, in dimension order, or for bfloat16 on CPUs with
+// avx512_bf16 pairs of dimensions multiplied and added by vdpbf16ps straight from the cache; then the lanes in a
+// fixed pairwise pattern, for sixteen committed keys at once with the same pattern), the weighted values position
+// by position, and the weights' total in sixteen interleaved partial sums added in a fixed pattern; rows are split
+// between threads whole, so the thread count changes nothing either.
 //
 // A row reads its sequence's committed positions in place from the block-major cache ``(layers, blocks, kv_heads,
 // block, head_dim)`` and this forward's rows on its path (its ancestors, then itself) from the new keys and values.
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vectors.h"
@@ -62,6 +63,27 @@ inline floats16 score_lanes(const floats16* query, const floats16* key, int64_t 
     for (int64_t c = 0; c < chunks; ++c) total = multiply_add(query[c], key[c], total);
     return total;
 }
+
+#if defined(__AVX512BF16__)
+constexpr bool kPairedBf16 = true;
+// A bfloat16 query's products with a bfloat16 key read in place: pairs of dimensions multiplied and added into
+// sixteen lanes (vdpbf16ps; a product of two bfloat16 values is exact in float32), in dimension order. Every key of
+// a bfloat16 model goes through it, committed or fresh, so a key's score is the same wherever it sits.
+inline floats16 score_lanes(const c10::BFloat16* query, const c10::BFloat16* key, int64_t dim) {
+    __m512 total = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32)
+        total = _mm512_dpbf16_ps(total, (__m512bh)_mm512_loadu_si512(query + d), (__m512bh)_mm512_loadu_si512(key + d));
+    if (d < dim) {
+        const __mmask32 mask = static_cast<__mmask32>((1ull << (dim - d)) - 1);
+        total = _mm512_dpbf16_ps(total, (__m512bh)_mm512_maskz_loadu_epi16(mask, query + d),
+                                 (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d));
+    }
+    return (floats16)total;
+}
+#else
+constexpr bool kPairedBf16 = false;
+#endif
 
 // The scores of one row's ``G`` query heads against one key (this forward's rows on its path).
 template <int G>
@@ -144,29 +166,63 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
     for (int64_t r = 0; r < rows; ++r)
         for (int g = 0; g < G; ++g) load_vector(queries[r] + g * dim, chunks, dim, query_vectors + (r * G + g) * chunks);
 
-    // Committed keys sixteen at a time (their lanes summed together), converted once for all rows.
-    floats16 keys[kLanes][kMaxChunks] = {};
-    for (int64_t start = 0; start < committed; start += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, committed - start);
-        for (int64_t k = 0; k < count; ++k) {
-            const int64_t p = start + k;
-            load_vector(view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim, chunks, dim, keys[k]);
-        }
-        score_keys<G>(query_vectors, keys, count, rows, chunks, scores, padded, start);
-    }
     floats16 vector[kMaxChunks];
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < path_lengths[r]; ++j) {
-            load_vector(view.fresh_keys + paths[r][j] * view.fresh_key_stride, chunks, dim, vector);
-            score_key<G>(query_vectors + r * G * chunks, vector, chunks, scores + r * G * padded, padded,
-                         committed + j);
+    if constexpr (kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>) {
+        // Keys and queries read in place, sixteen committed keys' lanes summed together.
+        floats16 lanes[kLanes];
+        const scalar_t* key_rows[kLanes];
+        for (int64_t start = 0; start < committed; start += kLanes) {
+            const int64_t count = std::min<int64_t>(kLanes, committed - start);
+            for (int64_t k = 0; k < kLanes; ++k) {
+                const int64_t p = start + std::min<int64_t>(k, count - 1);
+                key_rows[k] = view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim;
+            }
+            for (int64_t r = 0; r < rows; ++r)
+                for (int g = 0; g < G; ++g) {
+                    for (int k = 0; k < kLanes; ++k) lanes[k] = score_lanes(queries[r] + g * dim, key_rows[k], dim);
+                    const floats16 sums16 = horizontal_sums(lanes);
+                    std::memcpy(scores + (r * G + g) * padded + start, &sums16, count * sizeof(float));
+                }
         }
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < path_lengths[r]; ++j) {
+                const scalar_t* key = view.fresh_keys + paths[r][j] * view.fresh_key_stride;
+                for (int g = 0; g < G; ++g)
+                    scores[(r * G + g) * padded + committed + j] = horizontal_sum(score_lanes(queries[r] + g * dim, key, dim));
+            }
+    } else {
+        // Committed keys sixteen at a time (their lanes summed together), converted once for all rows.
+        floats16 keys[kLanes][kMaxChunks] = {};
+        for (int64_t start = 0; start < committed; start += kLanes) {
+            const int64_t count = std::min<int64_t>(kLanes, committed - start);
+            for (int64_t k = 0; k < count; ++k) {
+                const int64_t p = start + k;
+                load_vector(view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim, chunks, dim,
+                            keys[k]);
+            }
+            score_keys<G>(query_vectors, keys, count, rows, chunks, scores, padded, start);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < path_lengths[r]; ++j) {
+                load_vector(view.fresh_keys + paths[r][j] * view.fresh_key_stride, chunks, dim, vector);
+                score_key<G>(query_vectors + r * G * chunks, vector, chunks, scores + r * G * padded, padded,
+                             committed + j);
+            }
+    }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t positions = committed + path_lengths[r];
         for (int g = 0; g < G; ++g) {
             float* row = scores + (r * G + g) * padded;
+            // (A maximum is the same whatever the order it is taken in: sixteen lanes, then across them.)
+            floats16 lane_maxima = floats16{} - std::numeric_limits<float>::infinity();
+            int64_t p = 0;
+            for (; p + kLanes <= positions; p += kLanes) {
+                const floats16 scores16 = load16(row + p);
+                lane_maxima = scores16 > lane_maxima ? scores16 : lane_maxima;
+            }
             float maximum = -std::numeric_limits<float>::infinity();
-            for (int64_t p = 0; p < positions; ++p) maximum = std::max(maximum, row[p]);
+            for (int lane = 0; lane < kLanes; ++lane) maximum = std::max(maximum, lane_maxima[lane]);
+            for (; p < positions; ++p) maximum = std::max(maximum, row[p]);
             for (int64_t p = positions; p < padded; ++p) row[p] = maximum;
             floats16 lanes = {};
             for (int64_t p = 0; p < padded; p += kLanes) {

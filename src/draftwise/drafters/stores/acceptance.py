@@ -45,6 +45,9 @@ class AcceptanceTracker:
         self.prior_means = tuple(prior_means)
         self._counts: dict[tuple[object, int], list[float]] = {}
         self._pooled: dict[int, list[float]] = {}
+        # rate() by (kind, depth) since the last update: each depth's rate backs off to the one above it, and a batch
+        # step asks for the same few (kind, depth) pairs thousands of times.
+        self._rates: dict[tuple[object, int], float] = {}
 
     def _prior(self, depth: int) -> float:
         return self.prior_means[min(depth, len(self.prior_means)) - 1]
@@ -65,11 +68,16 @@ class AcceptanceTracker:
         verified again and its estimate never recovered (Token Recycling's rank-0 candidates fell to 2%).
         """
         depth = min(depth, self.max_depth)
+        known = self._rates.get((kind, depth))
+        if known is not None:
+            return known
         accepts, attempts = self._counts.get((kind, depth), (0.0, 0.0))
         back_off = max(self.pooled_rate(depth), self._prior(depth))
         if depth > 1:
             back_off = max(back_off, self.rate(kind, depth - 1))
-        return (accepts + self.prior_weight * back_off) / (attempts + self.prior_weight)
+        rate = (accepts + self.prior_weight * back_off) / (attempts + self.prior_weight)
+        self._rates[(kind, depth)] = rate
+        return rate
 
     def estimates(self, kind: object, length: int) -> list[float]:
         """Conditional acceptance estimates for depths 1..length."""
@@ -78,6 +86,7 @@ class AcceptanceTracker:
     def update_one(self, kind: object, depth: int, accepted: bool) -> None:
         """Record one draft token of ``kind`` offered at ``depth``, accepted or not."""
         depth = min(depth, self.max_depth)
+        self._rates.clear()
         for counts in (self._counts.setdefault((kind, depth), [0.0, 0.0]), self._pooled.setdefault(depth, [0.0, 0.0])):
             counts[1] += 1
             counts[0] += accepted

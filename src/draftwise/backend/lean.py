@@ -232,10 +232,10 @@ class LeanTarget(Target):
         half = self.head_dim // 2
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.kernel = self._attention_kernel(kernel)
+        self.kernel = self._compiled_kernels(kernel)
 
-    def _attention_kernel(self, wanted: bool | None) -> Any | None:
-        """The compiled attention module, if used (see the ``kernel`` argument)."""
+    def _compiled_kernels(self, wanted: bool | None) -> Any | None:
+        """The compiled kernels' module, if used (see the ``kernel`` argument)."""
         if wanted is False:
             return None
         reason = None
@@ -363,19 +363,19 @@ class LeanTarget(Target):
 
     def _mlp(self, layer: LeanLayer, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
+        gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm, self.linear_min_rows))
         if self.kernel is not None:
-            # Each step's output already padded to the products' row count (see native.rms_norm).
-            padded = self.linear_min_rows
-            gate_up = layer.gate_up(self.kernel.rms_norm(hidden, layer.mlp_norm, self.eps, padded))
-            output = layer.down(self.kernel.silu_mul(gate_up, rows, padded))
+            # gate_up has the products' padded row count already, and so does silu_mul's output.
+            output = layer.down(self.kernel.silu_mul(gate_up, rows, self.linear_min_rows))
             return output[:rows] if output.shape[0] > rows else output
-        gate_up = layer.gate_up(self._rms_norm(hidden, layer.mlp_norm))
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
         return layer.down(torch.nn.functional.silu(gate) * up)
 
-    def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """RMSNorm of every row; on the kernel path with at least ``min_rows`` rows (zeros past ``hidden``'s), so
+        that a product fed by it needs no padding of its own (the library path's products pad themselves)."""
         if self.kernel is not None:
-            return self.kernel.rms_norm(hidden, weight, self.eps, 1)
+            return self.kernel.rms_norm(hidden, weight, self.eps, min_rows)
         # transformers' order: in float32, scaled, cast back, then weighted.
         hidden32 = hidden.float()
         hidden32 = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -450,11 +450,10 @@ class LeanTarget(Target):
         sequences with slots, and appends them to ``written`` (when given) for the others."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         rows = hidden.shape[0]
+        qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm, self.linear_min_rows))
         if self.kernel is not None:
-            qkv = layer.qkv(self.kernel.rms_norm(hidden, layer.attention_norm, self.eps, self.linear_min_rows))
             queries, keys = self.kernel.rotate_queries_keys(qkv, cos, sin, rows, heads, kv_heads, self.scale)
         else:
-            qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
             query_key = self._rotate(
                 qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos[:, None], sin[:, None]
             )

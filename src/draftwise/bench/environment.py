@@ -127,7 +127,7 @@ def _row_plan(model: Any) -> dict[str, Any] | None:
     }
 
 
-def bandwidth_floor(model: Any) -> dict[str, float | None]:
+def bandwidth_floor(model: Any) -> dict[str, float]:
     """The fastest plain decoding can be on this machine: every weight read once a token, at the read bandwidth
     measured now (``weights_mb``, ``read_gb_per_s``, ``floor_ms_per_token``). An input embedding that is not also
     the output head is left out: a token reads one of its rows."""

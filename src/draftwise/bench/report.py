@@ -89,7 +89,7 @@ def floor_line(summary: Summary, environment: Mapping[str, Any]) -> str | None:
     """How far plain decoding (``ar``, overall) is from the machine's bandwidth floor (every weight read once a
     token, see :func:`draftwise.bench.environment.bandwidth_floor`); ``None`` without both."""
     floor = environment.get("floor_ms_per_token")
-    plain = summary.get("overall", {}).get("ar")
+    plain = summary.get(OVERALL, {}).get("ar")
     if not floor or not plain or not plain.get("tokens_per_s"):
         return None
     per_token = 1000 / plain["tokens_per_s"]

@@ -156,15 +156,11 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, path_lengths[r]);
     const int64_t padded = (committed + longest + kLanes - 1) / kLanes * kLanes;
-    scratch.queries.resize(rows * G * chunks);
     scratch.sums.assign(rows * G * chunks, floats16{});
     scratch.scores.resize(rows * G * padded);
     scratch.totals.resize(rows * G);
-    floats16* query_vectors = scratch.queries.data();
     float* scores = scratch.scores.data();
     floats16* sums = scratch.sums.data();
-    for (int64_t r = 0; r < rows; ++r)
-        for (int g = 0; g < G; ++g) load_vector(queries[r] + g * dim, chunks, dim, query_vectors + (r * G + g) * chunks);
 
     floats16 vector[kMaxChunks];
     if constexpr (kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -191,6 +187,11 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
                     scores[(r * G + g) * padded + committed + j] = horizontal_sum(score_lanes(queries[r] + g * dim, key, dim));
             }
     } else {
+        scratch.queries.resize(rows * G * chunks);
+        floats16* query_vectors = scratch.queries.data();
+        for (int64_t r = 0; r < rows; ++r)
+            for (int g = 0; g < G; ++g)
+                load_vector(queries[r] + g * dim, chunks, dim, query_vectors + (r * G + g) * chunks);
         // Committed keys sixteen at a time (their lanes summed together), converted once for all rows.
         floats16 keys[kLanes][kMaxChunks] = {};
         for (int64_t start = 0; start < committed; start += kLanes) {
@@ -379,11 +380,6 @@ torch::Tensor ragged_attention(
             }
         });
     };
-    switch (query.scalar_type()) {
-        case at::kFloat: run(float{}); break;
-        case at::kBFloat16: run(c10::BFloat16{}); break;
-        case at::kHalf: run(c10::Half{}); break;
-        default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
-    }
+    dispatch(query, run);
     return output;
 }

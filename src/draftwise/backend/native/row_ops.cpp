@@ -90,18 +90,13 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
     }
 }
 
-template <typename Function>
-void dispatch(const torch::Tensor& tensor, Function&& function) {
-    switch (tensor.scalar_type()) {
-        case at::kFloat: function(float{}); break;
-        case at::kBFloat16: function(c10::BFloat16{}); break;
-        case at::kHalf: function(c10::Half{}); break;
-        default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
-    }
-}
-
 void check_rows(const torch::Tensor& tensor, const char* name) {
     TORCH_CHECK(tensor.dim() == 2 && tensor.stride(1) == 1, name, ": (rows, width), each row contiguous");
+}
+
+// The output of ``rows`` rows of ``width``, with at least ``min_rows`` rows: those past ``rows`` zero.
+torch::Tensor padded_output(int64_t rows, int64_t min_rows, int64_t width, const torch::TensorOptions& options) {
+    return min_rows > rows ? torch::zeros({min_rows, width}, options) : torch::empty({rows, width}, options);
 }
 
 }  // namespace
@@ -112,9 +107,7 @@ torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight,
     const int64_t rows = hidden.size(0), dim = hidden.size(1);
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight: (dim,)");
     TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight in the hidden states' dtype");
-    const int64_t out_rows = std::max(rows, min_rows);
-    auto output = out_rows > rows ? torch::zeros({out_rows, dim}, hidden.options())
-                                  : torch::empty({out_rows, dim}, hidden.options());
+    auto output = padded_output(rows, min_rows, dim, hidden.options());
     dispatch(hidden, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = hidden.data_ptr<scalar_t>();
@@ -135,9 +128,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t rows, int64_t min_r
     TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
     TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
     const int64_t width = gate_up.size(1) / 2;
-    const int64_t out_rows = std::max(rows, min_rows);
-    auto output = out_rows > rows ? torch::zeros({out_rows, width}, gate_up.options())
-                                  : torch::empty({out_rows, width}, gate_up.options());
+    auto output = padded_output(rows, min_rows, width, gate_up.options());
     dispatch(gate_up, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = gate_up.data_ptr<scalar_t>();

@@ -18,6 +18,17 @@ typedef uint32_t words16 __attribute__((vector_size(64)));
 typedef uint16_t halfwords16 __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 
+// Calls ``function`` with a value of the C++ type of ``tensor``'s dtype (float32, bfloat16 or float16).
+template <typename Function>
+void dispatch(const torch::Tensor& tensor, Function&& function) {
+    switch (tensor.scalar_type()) {
+        case at::kFloat: function(float{}); break;
+        case at::kBFloat16: function(c10::BFloat16{}); break;
+        case at::kHalf: function(c10::Half{}); break;
+        default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+    }
+}
+
 inline floats16 load16(const float* source) {
     floats16 out;
     std::memcpy(&out, source, sizeof(out));

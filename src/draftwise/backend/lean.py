@@ -215,11 +215,12 @@ class LeanTarget(Target):
         self.joint_attention = True
         device, dtype = model.device, model.dtype
         self.packed = packing_available(dtype, device) if packed is None else packed
+        self.kernel = self._compiled_kernels(kernel)
         self.layers = [self._layer(layer, linear_min_rows) for layer in model.model.layers]
         self.embedding = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         head = model.get_output_embeddings()
-        self.head = self._linear(head.weight, head.bias, linear_min_rows)
+        self.head = self.linear(head.weight, head.bias, linear_min_rows)
         inverse = 1.0 / (
             rope_theta(config) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
         )
@@ -232,7 +233,6 @@ class LeanTarget(Target):
         half = self.head_dim // 2
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.kernel = self._compiled_kernels(kernel)
 
     def _compiled_kernels(self, wanted: bool | None) -> Any | None:
         """The compiled kernels' module, if used (see the ``kernel`` argument)."""
@@ -270,8 +270,17 @@ class LeanTarget(Target):
         the row-wise steps."""
         return "kernel" if self.kernel is not None else "library"
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> Linear:
-        return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed, min_rows)
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int | None = None) -> Linear:
+        """A product by ``weight`` (and ``bias``) the way this forward runs its own: the compiled kernel where it
+        can (bfloat16 with avx512_bf16), oneDNN's packed weights or ``F.linear`` otherwise."""
+        return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed,
+                      self.linear_min_rows if min_rows is None else min_rows, kernels=self.kernel)
+
+    @property
+    def linear_path(self) -> str:
+        """``"kernel"`` (the compiled blocked products), ``"onednn"`` (packed weights) or ``"library"``
+        (``F.linear``) for the linear products."""
+        return "kernel" if self.head.blocked is not None else "onednn" if self.head.packed else "library"
 
     def _layer(self, layer: Any, min_rows: int) -> LeanLayer:
         attention, mlp = layer.self_attn, layer.mlp
@@ -288,11 +297,11 @@ class LeanTarget(Target):
             gate_up_bias = torch.cat([mlp.gate_proj.bias.detach(), mlp.up_proj.bias.detach()])
         return LeanLayer(
             attention_norm=layer.input_layernorm.weight.detach(),
-            qkv=self._linear(torch.cat([projection.weight.detach() for projection in projections]), qkv_bias, min_rows),
-            output=self._linear(attention.o_proj.weight, attention.o_proj.bias, min_rows),
+            qkv=self.linear(torch.cat([projection.weight.detach() for projection in projections]), qkv_bias, min_rows),
+            output=self.linear(attention.o_proj.weight, attention.o_proj.bias, min_rows),
             mlp_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self._linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), gate_up_bias, min_rows),
-            down=self._linear(mlp.down_proj.weight, mlp.down_proj.bias, min_rows),
+            gate_up=self.linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), gate_up_bias, min_rows),
+            down=self.linear(mlp.down_proj.weight, mlp.down_proj.bias, min_rows),
         )
 
     @property

@@ -8,9 +8,16 @@ whatever the number of rows; that count is measured on the running machine (:mod
 On CPUs with oneDNN, the weights are also packed once into oneDNN's blocked layout (the layout PyTorch's own
 compiler freezes weights into): a few-row product then streams the weights about twice as fast as ``F.linear``, and
 its results do not depend on the row count beyond one row.
+
+For bfloat16 on CPUs with avx512_bf16, the engine's own kernel (:func:`draftwise.backend.native` ``blocked_linear``)
+replaces both: every output is one float32 sum in a fixed order whatever the call's row count, so it needs no
+padding at all, and it streams the weights faster than oneDNN at every row count from 1 to 256 on such CPUs (one row
+of all SmolLM2-135M products: 1.9 ms against 4.2 ms).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,13 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
+def blocked_available(kernels: Any | None, weight: torch.Tensor) -> bool:
+    """Whether the compiled ``kernels`` can run ``weight``'s products (bfloat16 on a CPU with avx512_bf16, an even
+    number of input features)."""
+    return (kernels is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.shape[1] % 2 == 0 and bool(kernels.blocked_linear_available()))
+
+
 class Linear:
     """``y = x @ weight.T + bias`` over rows, padded to at least :attr:`min_rows` rows.
 
@@ -40,14 +54,23 @@ class Linear:
         fixed_rows: when set, every product runs at exactly ``min_rows`` rows (inputs padded to a multiple of it and
             computed ``min_rows`` rows at a time): for GPU libraries, whose kernel choice for a shape depends on the
             row count at every size, this is the one way a row's bits cannot depend on its neighbours.
+        kernels: the compiled kernels' module: where they can run this weight (:func:`blocked_available`), products
+            run through their ``blocked_linear`` (``packed`` is then ignored).
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, min_rows: int = 1, fixed_rows: bool = False
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, min_rows: int = 1, fixed_rows: bool = False,
+        kernels: Any | None = None,
     ) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = packed
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else weight.contiguous()
+        self.blocked = kernels if blocked_available(kernels, weight) else None
+        self.packed = packed and self.blocked is None
+        if self.blocked is not None:
+            self.weight = self.blocked.pack_blocked_weight(weight.contiguous())
+        elif self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        else:
+            self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
         self.min_rows = min_rows
         self.fixed_rows = fixed_rows
@@ -67,6 +90,10 @@ class Linear:
         return output[:rows] if rows < self.min_rows else output
 
     def _product(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.blocked is not None:
+            if inputs.stride(-1) != 1:
+                inputs = inputs.contiguous()
+            return self.blocked.blocked_linear(inputs, self.weight, self.bias, self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(inputs, self.weight, self.bias, "none", [], "")
         return F.linear(inputs, self.weight, self.bias)

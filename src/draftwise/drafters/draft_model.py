@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from ..backend.lean import LeanTarget
-from ..backend.linear import Linear
 from ..backend.rows import CACHE, RowBlock
 from ..backend.target import Target
 from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
@@ -86,7 +85,7 @@ class DraftHead:
         self.bias = None if output.bias is None else output.bias.detach()
         self.vocab, self.size = self.weight.shape[0], size
         bias = None if self.bias is None else self.bias[:size]
-        self.base = Linear(self.weight[:size], bias, draft.packed, draft.linear_min_rows)
+        self.base = draft.linear(self.weight[:size], bias)
         self.extra: list[int] = []
         self._extra_set: set[int] = set()
         self._extra_weight = self.weight[:0]

@@ -1,0 +1,92 @@
+"""The compiled bfloat16 linear product (blocked weights, avx512_bf16): agreement with a float64 product, every row
+bitwise its result alone (whatever else shares the call, at any thread count), bias and ragged output counts, and
+clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.backend import native
+from draftwise.backend.linear import Linear, blocked_available
+
+kernels = native.load_kernels(warn=False)
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.blocked_linear_available(),
+                                reason="the blocked product needs the kernels built for a CPU with avx512_bf16")
+
+
+def weights(out_features: int, in_features: int, seed: int = 0, bias: bool = True):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(torch.bfloat16)
+    offsets = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    return weight, offsets
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (960, 576), (100, 2), (17, 1536), (1, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_a_float64_product(out_features, in_features, bias):
+    weight, offsets = weights(out_features, in_features, bias=bias)
+    inputs = torch.randn(9, in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    packed = kernels.pack_blocked_weight(weight)
+    output = kernels.blocked_linear(inputs, packed, offsets, out_features)
+    expected = inputs.double() @ weight.double().T + (offsets.double() if bias else 0)
+    assert output.shape == (9, out_features) and output.dtype == torch.bfloat16
+    # One rounding to bfloat16 of a float32 sum: within bfloat16's relative step of the exact result.
+    assert torch.allclose(output.double(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_is_bitwise_its_result_alone(threads):
+    weight, offsets = weights(200, 96)
+    inputs = torch.randn(37, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    packed = kernels.pack_blocked_weight(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernels.blocked_linear(inputs, packed, offsets, 200)
+        for rows in (1, 2, 5, 6, 7, 13, 36):
+            assert torch.equal(kernels.blocked_linear(inputs[:rows], packed, offsets, 200), together[:rows])
+        for row in (0, 17, 36):
+            assert torch.equal(kernels.blocked_linear(inputs[row : row + 1], packed, offsets, 200)[0], together[row])
+        shuffled = inputs.clone()
+        shuffled[1:] = shuffled[1:].flip(0)
+        assert torch.equal(kernels.blocked_linear(shuffled, packed, offsets, 200)[0], together[0])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_strided_rows_and_empty_calls():
+    weight, offsets = weights(64, 32)
+    packed = kernels.pack_blocked_weight(weight)
+    wide = torch.randn(5, 48).to(torch.bfloat16)
+    assert torch.equal(kernels.blocked_linear(wide[:, :32], packed, offsets, 64),
+                       kernels.blocked_linear(wide[:, :32].contiguous(), packed, offsets, 64))
+    assert kernels.blocked_linear(wide[:0, :32], packed, offsets, 64).shape == (0, 64)
+
+
+def test_linear_uses_it_for_bfloat16_and_needs_no_padding():
+    weight, offsets = weights(130, 64)
+    assert blocked_available(kernels, weight) and not blocked_available(kernels, weight.float())
+    assert not blocked_available(kernels, weights(8, 7)[0]) and not blocked_available(None, weight)
+    product = Linear(weight, offsets, packed=False, kernels=kernels)
+    assert product.blocked is not None
+    inputs = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(product(inputs), kernels.blocked_linear(inputs, product.weight, offsets, 130))
+    assert Linear(weight.float(), None, packed=False, kernels=kernels).blocked is None
+
+
+def test_bad_arguments_are_refused():
+    weight, _ = weights(64, 32)
+    packed = kernels.pack_blocked_weight(weight)
+    with pytest.raises(RuntimeError, match="even"):
+        kernels.pack_blocked_weight(weights(8, 7)[0])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.pack_blocked_weight(weight.float())
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.blocked_linear(torch.randn(2, 30).to(torch.bfloat16), packed, None, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernels.blocked_linear(torch.randn(2, 32).to(torch.bfloat16), packed, None, 65)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.blocked_linear(torch.randn(2, 32).to(torch.bfloat16), packed, torch.zeros(63, dtype=torch.bfloat16), 64)
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernels.blocked_linear(torch.randn(2, 32), packed, None, 64)

@@ -1,4 +1,4 @@
-"""The compiled bfloat16 linear product (blocked weights, avx512_bf16): agreement with a float64 product, every row
+"""The compiled linear product (blocked weights; float32 with AVX-512, bfloat16 with avx512_bf16): agreement with a float64 product, every row
 bitwise its result alone (whatever else shares the call, at any thread count), bias and ragged output counts, and
 clear refusals."""
 
@@ -11,34 +11,40 @@ from draftwise.backend import native
 from draftwise.backend.linear import Linear, blocked_available
 
 kernels = native.load_kernels(warn=False)
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.blocked_linear_available(),
-                                reason="the blocked product needs the kernels built for a CPU with avx512_bf16")
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.blocked_linear_dtypes(),
+                                reason="the blocked product needs the kernels built for a CPU with AVX-512")
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
+    kernels is None or name not in kernels.blocked_linear_dtypes(), reason=f"no blocked {name} product here"))
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"))]
 
 
-def weights(out_features: int, in_features: int, seed: int = 0, bias: bool = True):
+def weights(out_features: int, in_features: int, seed: int = 0, bias: bool = True, dtype=torch.bfloat16):
     generator = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(torch.bfloat16)
-    offsets = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+    offsets = torch.randn(out_features, generator=generator).to(dtype) if bias else None
     return weight, offsets
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (960, 576), (100, 2), (17, 1536), (1, 8)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_a_float64_product(out_features, in_features, bias):
-    weight, offsets = weights(out_features, in_features, bias=bias)
-    inputs = torch.randn(9, in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_a_float64_product(out_features, in_features, bias, dtype):
+    weight, offsets = weights(out_features, in_features, bias=bias, dtype=dtype)
+    inputs = torch.randn(9, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed = kernels.pack_blocked_weight(weight)
     output = kernels.blocked_linear(inputs, packed, offsets, out_features)
     expected = inputs.double() @ weight.double().T + (offsets.double() if bias else 0)
-    assert output.shape == (9, out_features) and output.dtype == torch.bfloat16
-    # One rounding to bfloat16 of a float32 sum: within bfloat16's relative step of the exact result.
-    assert torch.allclose(output.double(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max().item())
+    assert output.shape == (9, out_features) and output.dtype == dtype
+    # A float32 sum (rounded once to bfloat16 there): within the dtype's relative step of the exact result.
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(output.double(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_is_bitwise_its_result_alone(threads):
-    weight, offsets = weights(200, 96)
-    inputs = torch.randn(37, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_row_is_bitwise_its_result_alone(threads, dtype):
+    weight, offsets = weights(200, 96, dtype=dtype)
+    inputs = torch.randn(37, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
     packed = kernels.pack_blocked_weight(weight)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -55,7 +61,8 @@ def test_every_row_is_bitwise_its_result_alone(threads):
         torch.set_num_threads(previous)
 
 
-def test_strided_rows_and_empty_calls():
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_strided_rows_and_empty_calls(dtype):
     weight, offsets = weights(64, 32)
     packed = kernels.pack_blocked_weight(weight)
     wide = torch.randn(5, 48).to(torch.bfloat16)
@@ -64,24 +71,31 @@ def test_strided_rows_and_empty_calls():
     assert kernels.blocked_linear(wide[:0, :32], packed, offsets, 64).shape == (0, 64)
 
 
-def test_linear_uses_it_for_bfloat16_and_needs_no_padding():
-    weight, offsets = weights(130, 64)
-    assert blocked_available(kernels, weight) and not blocked_available(kernels, weight.float())
-    assert not blocked_available(kernels, weights(8, 7)[0]) and not blocked_available(None, weight)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_uses_it_and_needs_no_padding(dtype):
+    weight, offsets = weights(130, 64, dtype=dtype)
+    assert blocked_available(kernels, weight) and not blocked_available(kernels, weight.half())
+    assert not blocked_available(None, weight)
     product = Linear(weight, offsets, packed=False, kernels=kernels)
     assert product.blocked is not None
-    inputs = torch.randn(3, 64).to(torch.bfloat16)
+    inputs = torch.randn(3, 64).to(dtype)
     assert torch.equal(product(inputs), kernels.blocked_linear(inputs, product.weight, offsets, 130))
-    assert Linear(weight.float(), None, packed=False, kernels=kernels).blocked is None
+    assert Linear(weight.half(), None, packed=False, kernels=kernels).blocked is None
 
 
-def test_bad_arguments_are_refused():
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_odd_bfloat16_widths_keep_the_library(dtype):
+    assert not blocked_available(kernels, weights(8, 7)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_bad_arguments_are_refused(dtype):
     weight, _ = weights(64, 32)
     packed = kernels.pack_blocked_weight(weight)
     with pytest.raises(RuntimeError, match="even"):
         kernels.pack_blocked_weight(weights(8, 7)[0])
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernels.pack_blocked_weight(weight.float())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.pack_blocked_weight(weight.half())
     with pytest.raises(RuntimeError, match="features"):
         kernels.blocked_linear(torch.randn(2, 30).to(torch.bfloat16), packed, None, 64)
     with pytest.raises(RuntimeError, match="out_features"):

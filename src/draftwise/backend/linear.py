@@ -9,10 +9,10 @@ On CPUs with oneDNN, the weights are also packed once into oneDNN's blocked layo
 compiler freezes weights into): a few-row product then streams the weights about twice as fast as ``F.linear``, and
 its results do not depend on the row count beyond one row.
 
-For bfloat16 on CPUs with avx512_bf16, the engine's own kernel (:func:`draftwise.backend.native` ``blocked_linear``)
-replaces both: every output is one float32 sum in a fixed order whatever the call's row count, so it needs no
-padding at all, and it streams the weights faster than oneDNN at every row count from 1 to 256 on such CPUs (one row
-of all SmolLM2-135M products: 1.9 ms against 4.2 ms).
+On CPUs with AVX-512 (float32) and avx512_bf16 (bfloat16), the engine's own kernel (``blocked_linear`` of
+:mod:`draftwise.backend.native`) replaces both: every output is one float32 sum in a fixed order whatever the call's
+row count, so it needs no padding at all, and it streams the weights faster than oneDNN at every row count from 1 to
+256 there (one row of all SmolLM2-135M's bfloat16 products: 1.9 ms against 4.2 ms).
 """
 
 from __future__ import annotations
@@ -37,10 +37,14 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def blocked_available(kernels: Any | None, weight: torch.Tensor) -> bool:
-    """Whether the compiled ``kernels`` can run ``weight``'s products (bfloat16 on a CPU with avx512_bf16, an even
-    number of input features)."""
-    return (kernels is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[1] % 2 == 0 and bool(kernels.blocked_linear_available()))
+    """Whether the compiled ``kernels`` can run ``weight``'s products (float32 on CPUs with AVX-512, bfloat16 with
+    avx512_bf16 and an even number of input features)."""
+    if kernels is None or weight.device.type != "cpu":
+        return False
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(weight.dtype)
+    if name is None or name not in kernels.blocked_linear_dtypes():
+        return False
+    return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
 
 
 class Linear:

@@ -1,15 +1,14 @@
-// Linear products (y = x W^T + b) for bfloat16 weights on CPUs with avx512_bf16, from weights packed once into
-// tiles of 64 outputs.
+// Linear products (y = x W^T + b) from weights packed once into tiles of 64 outputs, on CPUs with AVX-512: float32
+// weights (fused multiply-adds) and, with avx512_bf16, bfloat16 weights (vdpbf16ps).
 //
-// Packed layout: (ceil(N / 64), K / 2, 64, 2): tile t holds outputs 64t .. 64t + 63 (zero weights past N), and for
-// each pair of inputs (2p, 2p + 1) four 64-byte vectors of their weight pairs, one per block of sixteen outputs. A
-// row's sixteen outputs of a block are one register of sums, which vdpbf16ps updates with a broadcast pair of the
-// row's inputs: no horizontal sums, each weight read once per tile of rows, each tile one contiguous stream.
+// Packed layout: (ceil(N / 64), K / e, 64, e), e = 2 for bfloat16 and 1 for float32: tile t holds outputs 64t ..
+// 64t + 63 (zero weights past N) and, for each step of e inputs, four 64-byte vectors of their weights, one per block
+// of sixteen outputs. A row's sixteen outputs of a block are one register of sums, updated with the row's broadcast
+// inputs: no horizontal sums, each weight read once per tile of rows, each tile one contiguous stream.
 //
-// Every output is one float32 sum over the input pairs in order 0, 1, 2, ..., then the bias, rounded to bfloat16
-// once (round to nearest even), by the same instruction sequence whichever tile of rows it falls in, so a row's
-// bits never depend on how many rows the call holds: these products are batch invariant by construction, from one
-// row.
+// Every output is one float32 sum over the input steps in order 0, 1, 2, ..., then the bias (and, for bfloat16, one
+// rounding to nearest even), by the same instruction sequence whichever tile of rows it falls in, so a row's bits
+// never depend on how many rows the call holds: these products are batch invariant by construction, from one row.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -17,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -25,104 +26,100 @@ constexpr int kBlocks = 4;      // blocks per tile of outputs
 constexpr int64_t kWidth = kBlocks * kBlock;
 constexpr int kMaxRows = 6;     // rows per tile: 6 x 4 sums, 4 weight vectors and a broadcast in 32 registers
 
+// The element types: how a step of inputs is broadcast, how sums are updated and how results are stored.
+struct Bfloat16Step {
+    using element = uint16_t;
+    static constexpr int64_t kPerStep = 2;
 #if defined(__AVX512BF16__)
-constexpr bool kAvailable = true;
+    static constexpr bool kAvailable = true;
+    static __m512 broadcast(const element* inputs) {
+        int32_t pair;
+        std::memcpy(&pair, inputs, sizeof(pair));
+        return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+    }
+    static __m512 multiply_add(__m512 sums, __m512 weights, __m512 inputs) {
+        return _mm512_dpbf16_ps(sums, (__m512bh)weights, (__m512bh)inputs);
+    }
+    static __m512 load_bias(const element* bias, __mmask16 mask) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+    }
+    static void store(element* out, __mmask16 mask, __m512 values) {
+        _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(values));
+    }
+#else
+    static constexpr bool kAvailable = false;
+#endif
+};
 
-// Rows x 64 outputs: sums over every input pair in order, then bias and rounding; the first ``valid`` outputs
-// are stored.
-template <int Rows>
-inline void tile(const uint16_t* const* inputs, const uint16_t* weights, int64_t pairs, const uint16_t* bias,
-                 uint16_t* const* outputs, int64_t valid) {
+struct Float32Step {
+    using element = float;
+    static constexpr int64_t kPerStep = 1;
+#if defined(__AVX512F__)
+    static constexpr bool kAvailable = true;
+    static __m512 broadcast(const element* inputs) { return _mm512_set1_ps(*inputs); }
+    static __m512 multiply_add(__m512 sums, __m512 weights, __m512 inputs) {
+        return _mm512_fmadd_ps(weights, inputs, sums);
+    }
+    static __m512 load_bias(const element* bias, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, bias); }
+    static void store(element* out, __mmask16 mask, __m512 values) { _mm512_mask_storeu_ps(out, mask, values); }
+#else
+    static constexpr bool kAvailable = false;
+#endif
+};
+
+#if defined(__AVX512F__)
+// Rows x 64 outputs: sums over every input step in order, then bias and rounding; the first ``valid`` outputs are
+// stored.
+template <typename Step, int Rows>
+inline void tile(const typename Step::element* const* inputs, const typename Step::element* weights, int64_t steps,
+                 const typename Step::element* bias, typename Step::element* const* outputs, int64_t valid) {
+    constexpr int64_t kStepWidth = kWidth * Step::kPerStep;  // elements of one step's weights
     __m512 sums[Rows][kBlocks];
     for (int r = 0; r < Rows; ++r)
         for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-        __m512bh w[kBlocks];
+    for (int64_t p = 0; p < steps; ++p) {
+        __m512 w[kBlocks];
         for (int b = 0; b < kBlocks; ++b)
-            w[b] = (__m512bh)_mm512_loadu_si512(weights + (p * kBlocks + b) * 2 * kBlock);
+            w[b] = _mm512_castsi512_ps(_mm512_loadu_si512(weights + p * kStepWidth + b * kBlock * Step::kPerStep));
         for (int r = 0; r < Rows; ++r) {
-            int32_t pair;
-            std::memcpy(&pair, inputs[r] + 2 * p, sizeof(pair));
-            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-            for (int b = 0; b < kBlocks; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], w[b], x);
+            const __m512 x = Step::broadcast(inputs[r] + p * Step::kPerStep);
+            for (int b = 0; b < kBlocks; ++b) sums[r][b] = Step::multiply_add(sums[r][b], w[b], x);
         }
     }
     for (int b = 0; b < kBlocks; ++b) {
         const int64_t left = valid - b * kBlock;
         if (left <= 0) break;
         const __mmask16 mask = left >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        __m512 added = _mm512_setzero_ps();
-        if (bias != nullptr)
-            added = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + b * kBlock)), 16));
-        for (int r = 0; r < Rows; ++r) {
-            const __m512 total = bias != nullptr ? _mm512_add_ps(sums[r][b], added) : sums[r][b];
-            _mm256_mask_storeu_epi16(outputs[r] + b * kBlock, mask, (__m256i)_mm512_cvtneps_pbh(total));
-        }
+        const __m512 added = bias != nullptr ? Step::load_bias(bias + b * kBlock, mask) : _mm512_setzero_ps();
+        for (int r = 0; r < Rows; ++r)
+            Step::store(outputs[r] + b * kBlock, mask, bias != nullptr ? _mm512_add_ps(sums[r][b], added) : sums[r][b]);
     }
 }
 
-void any_tile(int rows, const uint16_t* const* inputs, const uint16_t* weights, int64_t pairs, const uint16_t* bias,
-              uint16_t* const* outputs, int64_t valid) {
+template <typename Step>
+void any_tile(int rows, const typename Step::element* const* inputs, const typename Step::element* weights,
+              int64_t steps, const typename Step::element* bias, typename Step::element* const* outputs, int64_t valid) {
     switch (rows) {
-        case 1: tile<1>(inputs, weights, pairs, bias, outputs, valid); break;
-        case 2: tile<2>(inputs, weights, pairs, bias, outputs, valid); break;
-        case 3: tile<3>(inputs, weights, pairs, bias, outputs, valid); break;
-        case 4: tile<4>(inputs, weights, pairs, bias, outputs, valid); break;
-        case 5: tile<5>(inputs, weights, pairs, bias, outputs, valid); break;
-        default: tile<6>(inputs, weights, pairs, bias, outputs, valid); break;
+        case 1: tile<Step, 1>(inputs, weights, steps, bias, outputs, valid); break;
+        case 2: tile<Step, 2>(inputs, weights, steps, bias, outputs, valid); break;
+        case 3: tile<Step, 3>(inputs, weights, steps, bias, outputs, valid); break;
+        case 4: tile<Step, 4>(inputs, weights, steps, bias, outputs, valid); break;
+        case 5: tile<Step, 5>(inputs, weights, steps, bias, outputs, valid); break;
+        default: tile<Step, 6>(inputs, weights, steps, bias, outputs, valid); break;
     }
 }
-#else
-constexpr bool kAvailable = false;
-#endif
 
-}  // namespace
-
-bool blocked_linear_available() { return kAvailable; }
-
-// weight: (N, K) bfloat16, K even. Returns (tiles, K / 2, 64, 2), outputs past N zero.
-torch::Tensor pack_blocked_weight(const torch::Tensor& weight) {
-    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight: (out, in) bfloat16");
-    const int64_t out = weight.size(0), in = weight.size(1);
-    TORCH_CHECK(in % 2 == 0, "an even number of input features");
-    const int64_t tiles = (out + kWidth - 1) / kWidth;
-    auto padded = weight.new_zeros({tiles * kWidth, in});
-    padded.narrow(0, 0, out).copy_(weight);
-    return padded.view({tiles, kWidth, in / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
-// inputs: (rows, K) bfloat16 with unit column stride; packed: from pack_blocked_weight; bias: (N,) or empty.
-// Returns (rows, N).
-torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& packed,
-                             const c10::optional<torch::Tensor>& bias, int64_t out_features) {
-    TORCH_CHECK(kAvailable, "blocked_linear needs a CPU with avx512_bf16 (and a build for it)");
-    TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kBFloat16 && inputs.stride(1) == 1,
-                "inputs: (rows, in) bfloat16, rows contiguous");
-    TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                    packed.size(2) == kWidth && packed.size(3) == 2,
-                "packed: from pack_blocked_weight");
-    const int64_t rows = inputs.size(0), in = inputs.size(1), tiles = packed.size(0), pairs = packed.size(1);
-    TORCH_CHECK(pairs * 2 == in, "inputs: ", 2 * pairs, " features");
-    TORCH_CHECK(out_features > (tiles - 1) * kWidth && out_features <= tiles * kWidth, "out_features: the packing's");
-    const uint16_t* bias_data = nullptr;
-    if (bias.has_value() && bias->defined()) {
-        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
-                        bias->scalar_type() == at::kBFloat16,
-                    "bias: (out,) bfloat16");
-        bias_data = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-    }
-    auto output = torch::empty({rows, out_features}, inputs.options());
-#if defined(__AVX512BF16__)
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(inputs.data_ptr<at::BFloat16>());
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    uint16_t* y = reinterpret_cast<uint16_t*>(output.data_ptr<at::BFloat16>());
-    const int64_t x_stride = inputs.stride(0), tile_stride = pairs * 2 * kWidth;
-    // Threads take runs of whole tiles; each tile (one contiguous stream of weights) runs over the rows in tiles of
-    // six, its weights staying in cache from one row tile to the next.
+// Threads take runs of whole tiles; each tile (one contiguous stream of weights) runs over the rows in tiles of six,
+// its weights staying in cache from one row tile to the next.
+template <typename Step>
+void product(const typename Step::element* x, int64_t x_stride, int64_t rows, const typename Step::element* w,
+             int64_t tiles, int64_t steps, const typename Step::element* bias, typename Step::element* y,
+             int64_t out_features) {
+    using element = typename Step::element;
+    const int64_t tile_stride = steps * kWidth * Step::kPerStep;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-        const uint16_t* row_inputs[kMaxRows];
-        uint16_t* row_outputs[kMaxRows];
+        const element* row_inputs[kMaxRows];
+        element* row_outputs[kMaxRows];
         for (int64_t t = begin; t < end; ++t) {
             const int64_t column = t * kWidth;
             const int64_t valid = std::min<int64_t>(kWidth, out_features - column);
@@ -132,11 +129,72 @@ torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& p
                     row_inputs[r] = x + (row + r) * x_stride;
                     row_outputs[r] = y + (row + r) * out_features + column;
                 }
-                any_tile(tile_rows, row_inputs, w + t * tile_stride, pairs,
-                         bias_data == nullptr ? nullptr : bias_data + column, row_outputs, valid);
+                any_tile<Step>(tile_rows, row_inputs, w + t * tile_stride, steps,
+                               bias == nullptr ? nullptr : bias + column, row_outputs, valid);
             }
         }
     });
+}
+#endif
+
+bool runs(at::ScalarType dtype) {
+    return (dtype == at::kBFloat16 && Bfloat16Step::kAvailable) || (dtype == at::kFloat && Float32Step::kAvailable);
+}
+
+}  // namespace
+
+// The dtypes blocked_linear runs on this machine (by name).
+std::vector<std::string> blocked_linear_dtypes() {
+    std::vector<std::string> names;
+    if (runs(at::kFloat)) names.push_back("float32");
+    if (runs(at::kBFloat16)) names.push_back("bfloat16");
+    return names;
+}
+
+// weight: (N, K) float32 or bfloat16 (K even). Returns the packed layout above (outputs past N zero).
+torch::Tensor pack_blocked_weight(const torch::Tensor& weight) {
+    TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+                "weight: (out, in) float32 or bfloat16");
+    const int64_t per_step = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
+    const int64_t out = weight.size(0), in = weight.size(1);
+    TORCH_CHECK(in % per_step == 0, "an even number of input features");
+    const int64_t tiles = (out + kWidth - 1) / kWidth;
+    auto padded = weight.new_zeros({tiles * kWidth, in});
+    padded.narrow(0, 0, out).copy_(weight);
+    return padded.view({tiles, kWidth, in / per_step, per_step}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// inputs: (rows, K) in the packing's dtype, unit column stride; packed: from pack_blocked_weight; bias: (N,) or
+// empty. Returns (rows, N).
+torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& packed,
+                             const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+    const auto dtype = packed.scalar_type();
+    TORCH_CHECK(runs(dtype), "blocked_linear does not run ", dtype, " on this machine");
+    TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == dtype && inputs.stride(1) == 1,
+                "inputs: (rows, in) in the weights' dtype, rows contiguous");
+    const int64_t per_step = dtype == at::kBFloat16 ? 2 : 1;
+    TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kWidth && packed.size(3) == per_step,
+                "packed: from pack_blocked_weight");
+    const int64_t rows = inputs.size(0), in = inputs.size(1), tiles = packed.size(0), steps = packed.size(1);
+    TORCH_CHECK(steps * per_step == in, "inputs: ", steps * per_step, " features");
+    TORCH_CHECK(out_features > (tiles - 1) * kWidth && out_features <= tiles * kWidth, "out_features: the packing's");
+    if (bias.has_value() && bias->defined())
+        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                        bias->scalar_type() == dtype,
+                    "bias: (out,) in the weights' dtype");
+    auto output = torch::empty({rows, out_features}, inputs.options());
+#if defined(__AVX512F__)
+    const bool biased = bias.has_value() && bias->defined();
+    if (dtype == at::kFloat) {
+        product<Float32Step>(inputs.data_ptr<float>(), inputs.stride(0), rows, packed.data_ptr<float>(), tiles, steps,
+                             biased ? bias->data_ptr<float>() : nullptr, output.data_ptr<float>(), out_features);
+    } else {
+#if defined(__AVX512BF16__)
+        auto raw = [](const torch::Tensor& tensor) { return reinterpret_cast<uint16_t*>(tensor.data_ptr<at::BFloat16>()); };
+        product<Bfloat16Step>(raw(inputs), inputs.stride(0), rows, raw(packed), tiles, steps,
+                              biased ? raw(*bias) : nullptr, raw(output), out_features);
+#endif
+    }
 #endif
     return output;
 }

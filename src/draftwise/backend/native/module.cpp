@@ -2,6 +2,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -15,7 +16,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t rows, int64_t min_r
 std::tuple<torch::Tensor, torch::Tensor> rotate_queries_keys(
     const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t rows, int64_t heads,
     int64_t kv_heads, double scale);
-bool blocked_linear_available();
+std::vector<std::string> blocked_linear_dtypes();
 torch::Tensor pack_blocked_weight(const torch::Tensor& weight);
 torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& packed,
                              const c10::optional<torch::Tensor>& bias, int64_t out_features);
@@ -24,8 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("ragged_attention", &ragged_attention, "Attention of ragged verification rows over block caches");
     module.def("rms_norm", &rms_norm, "RMSNorm of every row, padded to min_rows rows");
     module.def("silu_mul", &silu_mul, "silu(gate) * up of every row, padded to min_rows rows");
-    module.def("blocked_linear_available", &blocked_linear_available, "Whether blocked_linear runs here");
+    module.def("blocked_linear_dtypes", &blocked_linear_dtypes, "The dtypes blocked_linear runs here");
     module.def("pack_blocked_weight", &pack_blocked_weight, "Weights packed for blocked_linear");
-    module.def("blocked_linear", &blocked_linear, "x W^T + b from packed bfloat16 weights, batch invariant");
+    module.def("blocked_linear", &blocked_linear, "x W^T + b from packed weights, batch invariant");
     module.def("rotate_queries_keys", &rotate_queries_keys, "Rotary embedding of the rows' queries (scaled) and keys");
 }

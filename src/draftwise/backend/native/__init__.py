@@ -5,9 +5,10 @@ nodes, of any number of sequences) in one call that reads each sequence's cache 
 replaces (:mod:`draftwise.backend.attention`) spends about 28 small operations per layer on what is a few
 thousand multiply-adds per row, and concatenates the caches of a batch at every layer. :func:`rms_norm`,
 :func:`rotate_queries_keys` and :func:`silu_mul` do the forward's row-wise steps in one call each, where torch
-takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. Every kernel computes a
-row from that row alone, in an order fixed by its position and width, so a row's bits never depend on the call's
-size.
+takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. ``blocked_linear``
+(float32 on CPUs with AVX-512, bfloat16 with avx512_bf16, see :mod:`draftwise.backend.linear`) is the linear
+products over weights packed once by ``pack_blocked_weight``. Every kernel computes a row from that row alone, in an
+order fixed by its position and width, so a row's bits never depend on the call's size.
 
 The extension is built from its sources with the machine's compiler the first time it is needed (about a minute,
 through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import make_tiny_model
 
 from draftwise.backend import native
+from draftwise.backend.lean import LeanTarget
 from draftwise.backend.linear import Linear, blocked_available
 
 kernels = native.load_kernels(warn=False)
@@ -104,3 +106,13 @@ def test_bad_arguments_are_refused(dtype):
         kernels.blocked_linear(torch.randn(2, 32).to(torch.bfloat16), packed, torch.zeros(63, dtype=torch.bfloat16), 64)
     with pytest.raises(RuntimeError, match="inputs"):
         kernels.blocked_linear(torch.randn(2, 32), packed, None, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_lean_forward_runs_its_products_on_it(dtype):
+    model = make_tiny_model("llama", seed=0).to(dtype)
+    target = LeanTarget(model, kernel=True)
+    assert target.linear_path == "kernel" and target.linear_min_rows == 1
+    assert all(linear.blocked is not None for layer in target.layers
+               for linear in (layer.qkv, layer.output, layer.gate_up, layer.down))
+    assert LeanTarget(model, kernel=False).linear_path in ("onednn", "library")

@@ -212,6 +212,7 @@ def model_shape(target: Any) -> dict[str, Any]:
         "packed": getattr(target, "packed", None),
         "block": getattr(target, "block", None),
         "attention": getattr(target, "attention_path", None),
+        "linear": getattr(target, "linear_path", None),
         # The compiled kernels' build (their sources, flags and the machine): new kernels are measured anew.
         "kernels": getattr(target, "kernels_build", None),
     }

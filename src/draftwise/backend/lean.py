@@ -13,7 +13,9 @@ forward is what the tests compare against. What this forward adds:
 - **few operations per layer**, so a one-row step is close to the cost of reading the weights: on CPUs attention runs
   through a kernel compiled on the machine (:mod:`draftwise.backend.native`), one call per layer for every row of
   every sequence, each row's arithmetic fixed by its position alone; where it cannot be built, through the library
-  path of :mod:`draftwise.backend.attention`.
+  path of :mod:`draftwise.backend.attention`. The linear products run through the same module's blocked kernel
+  where the CPU has AVX-512 (float32) or avx512_bf16 (bfloat16), through oneDNN otherwise
+  (:mod:`draftwise.backend.linear`).
 """
 
 from __future__ import annotations
@@ -271,8 +273,9 @@ class LeanTarget(Target):
         return "kernel" if self.kernel is not None else "library"
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int | None = None) -> Linear:
-        """A product by ``weight`` (and ``bias``) the way this forward runs its own: the compiled kernel where it
-        can (bfloat16 with avx512_bf16), oneDNN's packed weights or ``F.linear`` otherwise."""
+        """A product by ``weight`` (and ``bias``) the way this forward runs its own: the compiled blocked kernel
+        where it can (float32 with AVX-512, bfloat16 with avx512_bf16), oneDNN's packed weights or ``F.linear``
+        otherwise."""
         return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed,
                       self.linear_min_rows if min_rows is None else min_rows, kernels=self.kernel)
 

@@ -28,6 +28,7 @@ class DtypeDiagnosis:
     dtype: str
     backend: str
     attention: str | None
+    linear: str | None
     linear_min_rows: int | None
     attention_min_rows: int | None
     exact_trees: bool
@@ -82,6 +83,7 @@ def diagnose(
                 dtype=name,
                 backend=target.backend,
                 attention=getattr(target, "attention_path", None),
+                linear=getattr(target, "linear_path", None),
                 linear_min_rows=getattr(target, "linear_min_rows", None),
                 attention_min_rows=getattr(target, "attention_min_rows", None),
                 exact_trees=target.exact_trees and report.exact,
@@ -106,7 +108,8 @@ def as_rows(diagnosis: Diagnosis) -> list[dict[str, Any]]:
     for item in diagnosis.dtypes:
         rows.append({
             "dtype": item.dtype,
-            "backend": item.backend + (f" ({item.attention} attention)" if item.attention else ""),
+            "backend": item.backend + (f" ({item.attention} attention, {item.linear} linear products)"
+                                       if item.attention else ""),
             "padding (linear/attention rows)": (
                 f"{item.linear_min_rows}/{item.attention_min_rows}" if item.linear_min_rows is not None else "-"
             ),

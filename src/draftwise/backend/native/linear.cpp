@@ -141,6 +141,11 @@ bool runs(at::ScalarType dtype) {
     return (dtype == at::kBFloat16 && Bfloat16Step::kAvailable) || (dtype == at::kFloat && Float32Step::kAvailable);
 }
 
+// Inputs per step of the packed layout (e above) for weights of ``dtype``.
+int64_t inputs_per_step(at::ScalarType dtype) {
+    return dtype == at::kBFloat16 ? Bfloat16Step::kPerStep : Float32Step::kPerStep;
+}
+
 }  // namespace
 
 // The dtypes blocked_linear runs on this machine (by name).
@@ -155,7 +160,7 @@ std::vector<std::string> blocked_linear_dtypes() {
 torch::Tensor pack_blocked_weight(const torch::Tensor& weight) {
     TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
                 "weight: (out, in) float32 or bfloat16");
-    const int64_t per_step = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
+    const int64_t per_step = inputs_per_step(weight.scalar_type());
     const int64_t out = weight.size(0), in = weight.size(1);
     TORCH_CHECK(in % per_step == 0, "an even number of input features");
     const int64_t tiles = (out + kWidth - 1) / kWidth;
@@ -172,19 +177,19 @@ torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& p
     TORCH_CHECK(runs(dtype), "blocked_linear does not run ", dtype, " on this machine");
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == dtype && inputs.stride(1) == 1,
                 "inputs: (rows, in) in the weights' dtype, rows contiguous");
-    const int64_t per_step = dtype == at::kBFloat16 ? 2 : 1;
+    const int64_t per_step = inputs_per_step(dtype);
     TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kWidth && packed.size(3) == per_step,
                 "packed: from pack_blocked_weight");
     const int64_t rows = inputs.size(0), in = inputs.size(1), tiles = packed.size(0), steps = packed.size(1);
     TORCH_CHECK(steps * per_step == in, "inputs: ", steps * per_step, " features");
     TORCH_CHECK(out_features > (tiles - 1) * kWidth && out_features <= tiles * kWidth, "out_features: the packing's");
-    if (bias.has_value() && bias->defined())
+    const bool biased = bias.has_value() && bias->defined();
+    if (biased)
         TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                         bias->scalar_type() == dtype,
                     "bias: (out,) in the weights' dtype");
     auto output = torch::empty({rows, out_features}, inputs.options());
 #if defined(__AVX512F__)
-    const bool biased = bias.has_value() && bias->defined();
     if (dtype == at::kFloat) {
         product<Float32Step>(inputs.data_ptr<float>(), inputs.stride(0), rows, packed.data_ptr<float>(), tiles, steps,
                              biased ? bias->data_ptr<float>() : nullptr, output.data_ptr<float>(), out_features);

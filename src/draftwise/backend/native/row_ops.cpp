@@ -25,17 +25,11 @@ using namespace draftwise;
 // Rows per thread below which a call stays on one thread (a thread hand-off costs more than a few rows).
 constexpr int64_t kRowsPerTask = 8;
 
-// ``count`` (at most sixteen) lanes of ``lanes`` into ``target``, rounded to its dtype (round to nearest even).
-template <typename scalar_t>
-inline void store(scalar_t* target, floats16 lanes, int64_t count) {
-    for (int64_t lane = 0; lane < count; ++lane) target[lane] = static_cast<scalar_t>(lanes[lane]);
-}
-
 // ``lanes`` rounded to the dtype and back: what a torch operation producing that dtype leaves.
 template <typename scalar_t>
 inline floats16 rounded(floats16 lanes) {
     scalar_t narrow[kLanes];
-    store(narrow, lanes, kLanes);
+    store_lanes(narrow, lanes, kLanes);
     return load16(narrow);
 }
 
@@ -56,7 +50,7 @@ void rms_norm_row(const scalar_t* row, const scalar_t* weight, int64_t dim, floa
     for (int64_t c = 0; c < chunks; ++c) {
         // transformers' order: normalised in float32, cast to the model's dtype, then weighted.
         const floats16 normed = rounded<scalar_t>(load_chunk(row, c, dim) * inverse);
-        store(out + c * kLanes, normed * load_chunk(weight, c, dim), std::min<int64_t>(kLanes, dim - c * kLanes));
+        store_lanes(out + c * kLanes, normed * load_chunk(weight, c, dim), std::min<int64_t>(kLanes, dim - c * kLanes));
     }
 }
 
@@ -72,7 +66,7 @@ template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t width, scalar_t* out) {
     const int64_t chunks = (width + kLanes - 1) / kLanes;
     for (int64_t c = 0; c < chunks; ++c) {
-        store(out + c * kLanes, silu(load_chunk(gate, c, width)) * load_chunk(up, c, width),
+        store_lanes(out + c * kLanes, silu(load_chunk(gate, c, width)) * load_chunk(up, c, width),
               std::min<int64_t>(kLanes, width - c * kLanes));
     }
 }
@@ -83,6 +77,17 @@ template <typename scalar_t>
 inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* signed_sin, int64_t dim, float scale,
                         scalar_t* out) {
     const int64_t half = dim / 2;
+    if (half % kLanes == 0) {
+        // Whole chunks: a chunk's partners are the chunk half a vector away (the same operations, lane by lane).
+        const int64_t chunks = dim / kLanes, shift = half / kLanes;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const floats16 partner = load16(x + (c + shift) % chunks * kLanes);
+            const floats16 value = load16(x + c * kLanes) * load16(cos + c * kLanes) +
+                                   partner * load16(signed_sin + c * kLanes);
+            store_lanes(out + c * kLanes, value * scale, kLanes);
+        }
+        return;
+    }
     for (int64_t i = 0; i < dim; ++i) {
         const float partner = static_cast<float>(x[i < half ? i + half : i - half]);
         const float value = static_cast<float>(x[i]) * static_cast<float>(cos[i]) + partner * static_cast<float>(signed_sin[i]);

@@ -47,6 +47,21 @@ inline floats16 load16(const c10::Half* source) {
     return out;
 }
 
+// The first ``count`` (at most sixteen) lanes stored in ``target``'s dtype, rounded to nearest even: exactly what a
+// conversion of each lane alone gives (c10's, NaN included), sixteen lanes at a time for bfloat16.
+template <typename scalar_t>
+inline void store_lanes(scalar_t* target, floats16 lanes, int64_t count) {
+    for (int64_t lane = 0; lane < count; ++lane) target[lane] = static_cast<scalar_t>(lanes[lane]);
+}
+
+inline void store_lanes(c10::BFloat16* target, floats16 lanes, int64_t count) {
+    const words16 bits = reinterpret_cast<words16>(lanes);
+    const words16 nearest = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+    const words16 narrowed = lanes != lanes ? words16{} + 0x7FC0u : nearest;
+    const halfwords16 halves = __builtin_convertvector(narrowed, halfwords16);
+    std::memcpy(target, &halves, count * sizeof(uint16_t));
+}
+
 // Sixteen elements from ``source`` where ``count`` (< 16) are there, zeros after them.
 template <typename scalar_t>
 inline floats16 load_partial(const scalar_t* source, int64_t count) {

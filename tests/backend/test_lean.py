@@ -14,7 +14,7 @@ import draftwise
 from draftwise.backend import invariance
 from draftwise.backend.costs import cost_curves
 from draftwise.backend.invariance import InvarianceReport, check_trees, plan_rows
-from draftwise.backend.lean import BLOCK, LeanTarget, _bucket_members, unsupported_reason
+from draftwise.backend.lean import BLOCK, PROMPT_RUN, LeanTarget, _bucket_members, unsupported_reason
 from draftwise.backend.machine import MeasurementStore, auto_dtype, resolve_dtype
 from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
@@ -51,6 +51,25 @@ def test_logits_match_transformers(kind, dtype, tmp_path):
         for depth, token in enumerate(continuation[1:5], 1):
             node = tree.child(node, token)
             torch.testing.assert_close(logits[node + 1], reference[len(prompt) + depth], atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("kernel", [None, False], ids=["kernel", "library"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, PROMPT_RUN - 1, PROMPT_RUN, PROMPT_RUN + 1, 3 * PROMPT_RUN + 5])
+def test_prefill_of_any_length_matches_transformers(length, dtype, kernel, tmp_path):
+    """The prompt's attention in runs of PROMPT_RUN rows (compiled kernels) or causal (library) gives transformers'
+    logits at the prompt's last position and at the row decoded after it, from a cache that had to grow."""
+    model = model_in("llama", dtype)
+    target = planned(model, tmp_path, kernel=kernel)
+    rng = random.Random(length)
+    tokens = [rng.randrange(model.config.vocab_size) for _ in range(length + 1)]
+    with torch.inference_mode():
+        reference = model(torch.tensor([tokens])).logits[0].float()
+        cache = target.new_cache(4)
+        last = target.prefill([cache], [tokens[:-1]]).logits[0][-1].float()
+        following = target.forward([cache], [RowBlock.chain([tokens[-1]])]).logits[0][0].float()
+    torch.testing.assert_close(last, reference[length - 1], atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(following, reference[length], atol=TOLERANCE[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -53,6 +53,9 @@ MAX_FORWARD_ROWS = 528
 FAMILIES = ("llama", "qwen2")
 #: Positions per attention block (see :mod:`draftwise.backend.attention`).
 BLOCK = 64
+#: Prompt rows that share one read of the cached positions before them in a prefill's attention (see
+#: :meth:`LeanTarget._prompt_attention`): 16 to 64 measure alike, fewer read the cache more often.
+PROMPT_RUN = 32
 
 
 @dataclass(frozen=True)
@@ -543,16 +546,36 @@ class LeanTarget(Target):
         if any(cache.length for cache in caches):
             raise ValueError("prefill needs empty caches")
 
-        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-            return causal_attention(queries, keys, values)
-
         # One prompt at a time: a prefill's rows are exactly those of the same prompt decoded alone (products of
         # thousands of rows are not assumed to keep every row's bits), whatever else is decoded beside it.
         states = []
         for cache, prompt in zip(caches, prompts):
+            attend = self._prompt_attention(cache, len(prompt))
             states.append(self._run([cache], [prompt], [range(len(prompt))], attend)[0][-1:])
             cache.length = len(prompt)
         return self._outputs(states, hidden_states, head)
+
+    def _prompt_attention(self, cache: LeanCache, length: int) -> Callable[..., torch.Tensor]:
+        """The attention of a prompt of ``length`` tokens over itself, given a layer's queries, keys and values
+        (which :meth:`_run` has already written into ``cache``).
+
+        With the compiled kernels, the prompt's rows are verification rows: each run of :data:`PROMPT_RUN` rows
+        reads the positions before it in place from the cache (once for the whole run) and its own earlier rows as
+        a chain, about twice as fast as the library's causal attention on a few hundred rows and never slower on
+        thousands (measured on two-core CPUs in bfloat16 and float32)."""
+        if self.kernel is None:
+            return lambda index, queries, keys, values: causal_attention(queries, keys, values)
+        firsts = range(0, length, PROMPT_RUN)
+        layout = ragged_layout(list(firsts), [[-1, *range(min(PROMPT_RUN, length - first) - 1)] for first in firsts])
+        runs, kernel = len(firsts), self.kernel
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            # (The cache's buffers as they are now: making room for the prompt may have replaced them.)
+            return kernel.ragged_attention(queries, keys, values, [cache.keys] * runs, [cache.values] * runs, index,
+                                           layout.row_sequence, layout.row_committed, layout.path_offsets,
+                                           layout.path_rows)
+
+        return attend
 
     def forward(
         self,

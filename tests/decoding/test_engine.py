@@ -170,3 +170,24 @@ def test_a_batch_pauses_drafting_while_drafted_steps_emit_fewer_tokens_per_secon
         decoder._judge_by_throughput(1, False, 1, 0.010)
         decoder._judge_by_throughput(1, True, 1, 0.050)
     assert 1 not in decoder._pauses
+
+
+def test_a_batch_that_always_drafts_still_measures_plain_steps(tiny_llama):
+    """Drafters that always propose something leave no plain steps to compare with: the decoder runs one after each
+    drafted step until enough are measured, then one every PLAIN_STEP_EVERY drafted steps."""
+    decoder = Decoder(tiny_llama)
+
+    def next_step_drafts() -> bool:
+        pause = decoder._pauses.setdefault(8, [0, 0])
+        drafting = pause[0] == 0
+        pause[0] = max(0, pause[0] - 1)
+        return drafting
+
+    kinds = []
+    for _ in range(2 * Decoder.RATE_MIN_STEPS + 2 * Decoder.PLAIN_STEP_EVERY):
+        drafted = next_step_drafts()
+        kinds.append(drafted)
+        decoder._judge_by_throughput(8, drafted, 12, 0.040)  # drafted and plain steps alike: drafting never paused
+    warm_up = 2 * Decoder.RATE_MIN_STEPS
+    assert kinds[:warm_up] == [True, False] * Decoder.RATE_MIN_STEPS
+    assert [index for index, drafted in enumerate(kinds[warm_up:]) if not drafted] == [Decoder.PLAIN_STEP_EVERY]

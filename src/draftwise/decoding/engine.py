@@ -259,6 +259,8 @@ class Decoder:
         # By batch size: measured tokens per second of steps with and without drafts (see _judge_by_throughput).
         self._rates: dict[int, dict[bool, tuple[float, int]]] = {}
         self._throughput_pauses: dict[int, int] = {}
+        # By batch size: steps with drafts since the last one without.
+        self._since_plain: dict[int, int] = {}
 
     #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
     MAX_DRAFT_PAUSE = 64
@@ -266,6 +268,9 @@ class Decoder:
     #: measured before they are compared (see :meth:`_judge_by_throughput`).
     RATE_SMOOTHING = 0.2
     RATE_MIN_STEPS = 4
+    #: Of several sequences, steps with drafts after which one runs without, so that the rate of plain steps at the
+    #: batch size is measured and kept current: when every step drafts something, nothing else would measure it.
+    PLAIN_STEP_EVERY = 32
 
     def _longer_pause(self, length: int) -> int:
         """The next pause in drafting after one of ``length`` steps: 1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`."""
@@ -276,13 +281,20 @@ class Decoder:
         per second than steps without (moving averages of measured steps, drafting included), with the same backoff
         as :meth:`_judge_drafting`. The cost rule prices drafts from estimates; in a batch the first draft brings
         costs those see late (its rows' wider attention products, linear products past the memory-bound regime), and
-        this keeps a batch from running slower than plain decoding. Batch 1 keeps the cost rule alone."""
+        this keeps a batch from running slower than plain decoding. Where steps without drafts are rare (drafters
+        that always propose something), one is run now and then to measure them (:attr:`PLAIN_STEP_EVERY`, and
+        every other step until :attr:`RATE_MIN_STEPS` are measured). Batch 1 keeps the cost rule alone."""
         if sequences < 2 or seconds <= 0:
             return
         rates = self._rates.setdefault(sequences, {})
         rate = tokens / seconds
         previous, count = rates.get(drafted, (rate, 0))
         rates[drafted] = (previous + self.RATE_SMOOTHING * (rate - previous), count + 1)
+        since_plain = self._since_plain[sequences] = self._since_plain.get(sequences, 0) + 1 if drafted else 0
+        plain_steps = rates.get(False, (0.0, 0))[1]
+        if drafted and (since_plain >= self.PLAIN_STEP_EVERY or plain_steps < self.RATE_MIN_STEPS):
+            pause = self._pauses.setdefault(sequences, [0, 0])
+            pause[0] = max(pause[0], 1)
         if not drafted or any(rates.get(kind, (0.0, 0))[1] < self.RATE_MIN_STEPS for kind in (True, False)):
             return
         if rates[True][0] < rates[False][0]:

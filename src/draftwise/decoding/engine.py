@@ -292,15 +292,14 @@ class Decoder:
         rates[drafted] = (previous + self.RATE_SMOOTHING * (rate - previous), count + 1)
         since_plain = self._since_plain[sequences] = self._since_plain.get(sequences, 0) + 1 if drafted else 0
         plain_steps = rates.get(False, (0.0, 0))[1]
+        pause = self._pauses.setdefault(sequences, [0, 0])
         if drafted and (since_plain >= self.PLAIN_STEP_EVERY or plain_steps < self.RATE_MIN_STEPS):
-            pause = self._pauses.setdefault(sequences, [0, 0])
-            pause[0] = max(pause[0], 1)
+            pause[0] = max(pause[0], 1)  # the next step at this batch size runs without drafts
         if not drafted or any(rates.get(kind, (0.0, 0))[1] < self.RATE_MIN_STEPS for kind in (True, False)):
             return
         if rates[True][0] < rates[False][0]:
             length = self._longer_pause(self._throughput_pauses.get(sequences, 0))
             self._throughput_pauses[sequences] = length
-            pause = self._pauses.setdefault(sequences, [0, 0])
             pause[0] = max(pause[0], length)
         else:
             self._throughput_pauses[sequences] = 0

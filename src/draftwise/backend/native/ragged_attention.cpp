@@ -52,6 +52,13 @@ struct SequenceView {
     const scalar_t* fresh_keys;  // this forward's rows at head ``head``: row ``i`` at ``i * fresh_stride``
     const scalar_t* fresh_values;
     int64_t fresh_key_stride, fresh_value_stride;
+
+    // The committed key and value at ``position`` (head vectors of ``dim`` elements).
+    const scalar_t* key(int64_t position, int64_t dim) const { return cached(keys, position, dim); }
+    const scalar_t* value(int64_t position, int64_t dim) const { return cached(values, position, dim); }
+    const scalar_t* cached(const scalar_t* base, int64_t position, int64_t dim) const {
+        return base + (position / block) * block_stride + (position % block) * dim;
+    }
 };
 
 // Asks for one cached head vector (``dim`` elements) ahead of its use.
@@ -60,6 +67,12 @@ inline void prefetch(const scalar_t* vector, int64_t dim) {
     const char* bytes = reinterpret_cast<const char*>(vector);
     for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
         _mm_prefetch(bytes + offset, _MM_HINT_T0);
+}
+
+// The committed value kPrefetchAhead positions past ``position`` (if it exists), ahead of its use.
+template <typename scalar_t>
+inline void prefetch_value(const SequenceView<scalar_t>& view, int64_t position, int64_t dim) {
+    if (const int64_t ahead = position + kPrefetchAhead; ahead < view.committed) prefetch(view.value(ahead, dim), dim);
 }
 
 template <typename scalar_t>
@@ -144,9 +157,8 @@ inline void add_committed_values(const SequenceView<scalar_t>& view, const float
             for (int c = 0; c < C; ++c) totals[t][g][c] = sums[((first + t) * G + g) * C + c];
     floats16 value[C];
     for (int64_t p = 0; p < view.committed; ++p) {
-        if (const int64_t ahead = p + kPrefetchAhead; ahead < view.committed)
-            prefetch(view.values + (ahead / view.block) * view.block_stride + (ahead % view.block) * dim, dim);
-        load_vector(view.values + (p / view.block) * view.block_stride + (p % view.block) * dim, C, dim, value);
+        prefetch_value(view, p, dim);
+        load_vector(view.value(p, dim), C, dim, value);
         for (int t = 0; t < T; ++t)
             for (int g = 0; g < G; ++g) {
                 const floats16 broadcast = floats16{} + weights[((first + t) * G + g) * padded + p];
@@ -185,10 +197,10 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             const int64_t count = std::min<int64_t>(kLanes, committed - start);
             for (int64_t k = 0; k < kLanes; ++k) {
                 const int64_t p = start + std::min<int64_t>(k, count - 1);
-                key_rows[k] = view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim;
+                key_rows[k] = view.key(p, dim);
             }
             for (int64_t p = start + kPrefetchAhead; p < std::min(committed, start + kPrefetchAhead + kLanes); ++p)
-                prefetch(view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim, dim);
+                prefetch(view.key(p, dim), dim);
             for (int64_t r = 0; r < rows; ++r)
                 for (int g = 0; g < G; ++g) {
                     for (int k = 0; k < kLanes; ++k) lanes[k] = score_lanes(queries[r] + g * dim, key_rows[k], dim);
@@ -213,12 +225,8 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
         for (int64_t start = 0; start < committed; start += kLanes) {
             const int64_t count = std::min<int64_t>(kLanes, committed - start);
             for (int64_t p = start + kPrefetchAhead; p < std::min(committed, start + kPrefetchAhead + kLanes); ++p)
-                prefetch(view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim, dim);
-            for (int64_t k = 0; k < count; ++k) {
-                const int64_t p = start + k;
-                load_vector(view.keys + (p / view.block) * view.block_stride + (p % view.block) * dim, chunks, dim,
-                            keys[k]);
-            }
+                prefetch(view.key(p, dim), dim);
+            for (int64_t k = 0; k < count; ++k) load_vector(view.key(start + k, dim), chunks, dim, keys[k]);
             score_keys<G>(query_vectors, keys, count, rows, chunks, scores, padded, start);
         }
         for (int64_t r = 0; r < rows; ++r)
@@ -263,14 +271,10 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
     } else if constexpr (C > 0 && G * C <= 32) {
         for (int64_t r = 0; r < rows; ++r) add_committed_values<scalar_t, G, C, 1>(view, scores, r, dim, sums, padded);
     } else {
-        for (int64_t start = 0; start < committed; start += view.block) {
-            const scalar_t* values = view.values + (start / view.block) * view.block_stride;
-            for (int64_t p = start; p < std::min(committed, start + view.block); ++p) {
-                if (const int64_t ahead = p + kPrefetchAhead; ahead < committed)
-                    prefetch(view.values + (ahead / view.block) * view.block_stride + (ahead % view.block) * dim, dim);
-                load_vector(values + (p - start) * dim, chunks, dim, vector);
-                add_value<G>(scores, vector, rows, chunks, sums, padded, p);
-            }
+        for (int64_t p = 0; p < committed; ++p) {
+            prefetch_value(view, p, dim);
+            load_vector(view.value(p, dim), chunks, dim, vector);
+            add_value<G>(scores, vector, rows, chunks, sums, padded, p);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -67,7 +67,7 @@ void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t width, scala
     const int64_t chunks = (width + kLanes - 1) / kLanes;
     for (int64_t c = 0; c < chunks; ++c) {
         store_lanes(out + c * kLanes, silu(load_chunk(gate, c, width)) * load_chunk(up, c, width),
-              std::min<int64_t>(kLanes, width - c * kLanes));
+                    std::min<int64_t>(kLanes, width - c * kLanes));
     }
 }
 

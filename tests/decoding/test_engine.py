@@ -6,7 +6,7 @@ import torch
 from tiny import OracleChainDrafter
 
 from draftwise.decoding.drafter import Drafter, NoDrafter
-from draftwise.decoding.engine import Decoder, FinishReason, SequenceState, accept, decode, draft
+from draftwise.decoding.engine import Decoder, FinishReason, SequenceState, accept, decode, draft, explore
 from draftwise.decoding.latency import LatencyModel
 from draftwise.decoding.tree import DraftTree
 
@@ -191,3 +191,50 @@ def test_a_batch_that_always_drafts_still_measures_plain_steps(tiny_llama):
     warm_up = 2 * Decoder.RATE_MIN_STEPS
     assert kinds[:warm_up] == [True, False] * Decoder.RATE_MIN_STEPS
     assert [index for index, drafted in enumerate(kinds[warm_up:]) if not drafted] == [Decoder.PLAIN_STEP_EVERY]
+
+
+class UnderratedOracle(OracleChainDrafter):
+    """The true continuation, scored far below what any forward's cost would pay for."""
+
+    def propose(self, context, budget):
+        chain = super().propose(context, budget)
+        return DraftTree(chain.tokens, chain.parents, (0.001,) * len(chain))
+
+    def observe(self, outcome):
+        self.outcomes.append(outcome)
+
+
+class FixedCosts(LatencyModel):
+    """Forward costs from the prior alone: measured forwards change nothing."""
+
+    def record(self, rows, seconds, sequences=1, tree=False):
+        pass
+
+
+def test_drafts_the_cost_rule_drops_are_still_verified_now_and_then(tiny_llama):
+    """A source scored below break-even is never verified, so its score is never corrected: every EXPLORE_EVERY
+    steps without a verified node, the best node on offer is verified anyway (one row), and the tokens stay plain
+    decoding's."""
+    count = 3 * Decoder.EXPLORE_EVERY + 4
+    reference = greedy_ids(tiny_llama, PROMPT, count)
+    drafter = UnderratedOracle(PROMPT, reference, length=4)
+    decoder = Decoder(tiny_llama, budget=8, latency=FixedCosts(prior={1: 1.0, 2: 10.0, 64: 640.0}))
+    state = decoder.start(PROMPT, drafter, max_new_tokens=count)
+    decoder.prefill([state])
+    while not state.finished:
+        decoder.step([state])
+    assert state.output == reference
+    verified = [index for index, outcome in enumerate(drafter.outcomes) if len(outcome.tree)]
+    assert len(verified) >= 2 and all(len(drafter.outcomes[index].tree) == 1 for index in verified)
+    assert verified[0] + 1 >= Decoder.EXPLORE_EVERY
+    # Each explored node is the truth: two tokens a step there.
+    assert all(len(drafter.outcomes[index].emitted) == 2 for index in verified)
+
+
+def test_explore_keeps_the_single_best_node_of_a_batch():
+    low = DraftTree((1, 2), (-1, 0), (0.2, 0.1))
+    high = DraftTree((3, 4, 5), (-1, -1, 1), (0.1, 0.3, 0.25))
+    unscored = DraftTree()
+    explored = explore([low, high, unscored])
+    assert [tree.tokens for tree in explored] == [(), (4,), ()]
+    assert all(len(tree) == 0 for tree in explore([DraftTree(), DraftTree()]))

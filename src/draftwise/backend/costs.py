@@ -23,8 +23,9 @@ from .rows import RowBlock
 #: root and two children).
 CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: 2: chains and trees measured together (a chain's forward got leaner than a tree's, so curves kept from before
-#: say nothing about either).
-CURVE_VERSION = 2
+#: say nothing about either). 3: every row count in each round (a drift between row counts no longer bends the
+#: curve).
+CURVE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -44,25 +45,29 @@ def two_branches(count: int) -> tuple[int, ...]:
 
 @torch.inference_mode()
 def measure_cost_curves(
-    target: Any, rows: tuple[int, ...] = CURVE_ROWS, cache_length: int = 512, repeats: int = 3
+    target: Any, rows: tuple[int, ...] = CURVE_ROWS, cache_length: int = 512, repeats: int = 5
 ) -> CostCurves:
     """Median seconds of a verification forward of each row count in ``rows`` over ``cache_length`` cached
-    positions, of a chain and (from three rows) of a :func:`two_branches` tree, taken in turn so that both curves
-    see the machine in the same state."""
+    positions, of a chain and (from three rows) of a :func:`two_branches` tree, taken in turn (every shape once a
+    round) so that all of them see the machine in the same states."""
     vocab = target.config.vocab_size
     cache_length = min(cache_length, target.context_length - max(rows) - 1)
     cache = target.new_cache(cache_length + max(rows) + 1)
     target.prefill([cache], [[(7 * position) % vocab for position in range(cache_length)]])
     seconds: dict[str, dict[int, list[float]]] = {"chain": {}, "tree": {}}
+    blocks: dict[int, dict[str, RowBlock]] = {}
     for count in rows:
         tokens = tuple((11 * row) % vocab for row in range(count))
-        blocks = {"chain": RowBlock.chain(tokens)}
+        blocks[count] = {"chain": RowBlock.chain(tokens)}
         if count >= 3:
-            blocks["tree"] = RowBlock(tokens, two_branches(count))
-        for block in blocks.values():
+            blocks[count]["tree"] = RowBlock(tokens, two_branches(count))
+        for block in blocks[count].values():
             target.forward([cache], [block])  # warm this shape up
-        for _ in range(repeats):
-            for shape, block in blocks.items():
+    # Round after round over every row count: a machine whose speed drifts (memory bandwidth shared with others)
+    # then shifts the whole curve, not the ratio between two row counts measured minutes apart.
+    for _ in range(repeats):
+        for count in rows:
+            for shape, block in blocks[count].items():
                 started = time.perf_counter()
                 target.forward([cache], [block])
                 seconds[shape].setdefault(count, []).append(time.perf_counter() - started)

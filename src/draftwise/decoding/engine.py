@@ -169,6 +169,22 @@ def _best_nodes(trees: Sequence[DraftTree], latency: LatencyModel) -> tuple[list
     return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)], best_rate
 
 
+def explore(trees: Sequence[DraftTree]) -> list[DraftTree]:
+    """The single best-scored node of ``trees`` (its tree cut to it, every other tree emptied), verified although
+    the cost rule dropped it.
+
+    Drafters learn their acceptance from verified nodes only: a source whose estimate fell below break-even (a few
+    unlucky early prompts) would never be verified again, so never corrected, even where it would now pay. One
+    node every :attr:`Decoder.EXPLORE_EVERY` steps costs one row; unscored trees are never dropped, so never
+    explored."""
+    best = max(
+        ((max(tree.scores), index) for index, tree in enumerate(trees) if tree.scores),
+        default=None,
+        key=lambda entry: (entry[0], -entry[1]),
+    )
+    return [tree.best(1) if best is not None and index == best[1] else DraftTree() for index, tree in enumerate(trees)]
+
+
 def scored_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
     """``tree`` with scores estimated from the sequence's acceptance so far, for drafters that give none: a node's
     score is its parent's times the rate at which drafts at its depth were accepted once reached (Laplace-smoothed),
@@ -261,6 +277,8 @@ class Decoder:
         self._throughput_pauses: dict[int, int] = {}
         # By batch size: steps with drafts since the last one without.
         self._since_plain: dict[int, int] = {}
+        # By batch size: steps since one verified a draft node (see explore).
+        self._since_drafts: dict[int, int] = {}
 
     #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
     MAX_DRAFT_PAUSE = 64
@@ -271,6 +289,9 @@ class Decoder:
     #: Of several sequences, steps with drafts after which one runs without, so that the rate of plain steps at the
     #: batch size is measured and kept current: when every step drafts something, nothing else would measure it.
     PLAIN_STEP_EVERY = 32
+    #: Steps without a verified draft node after which, when the cost rule drops every node on offer, the best one is
+    #: verified anyway (see :func:`explore`).
+    EXPLORE_EVERY = 16
 
     def _longer_pause(self, length: int) -> int:
         """The next pause in drafting after one of ``length`` steps: 1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`."""
@@ -406,9 +427,14 @@ class Decoder:
             trees = [scored_by_acceptance(tree, sequence.stats) for tree, sequence in zip(trees, active)]
             if self.target.batch_chains:
                 trees = [tree.best_path() for tree in trees]
-        trees = size_trees(trees, self.latency)
-        if offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
+        offers, trees = trees, size_trees(trees, self.latency)
+        since_drafts = self._since_drafts.get(len(active), 0) + 1
+        exploring = offered > 0 and since_drafts >= self.EXPLORE_EVERY and not any(len(tree) for tree in trees)
+        if exploring:
+            trees = explore(offers)
+        elif offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
             self._judge_drafting(trees, draft_seconds)
+        self._since_drafts[len(active)] = 0 if any(len(tree) for tree in trees) else since_drafts
         want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
         forward_started = time.perf_counter()
         output = self.target.forward(
@@ -432,9 +458,10 @@ class Decoder:
             update(sequence, tree, verification, logits, context, event, hidden)
             sequence.stats.time_s = time.perf_counter() - sequence.started
             events_by_sequence[id(sequence)] = event
-        self._judge_by_throughput(len(active), any(len(tree) for tree in trees),
-                                  sum(len(verification.tokens) for verification, _ in verifications),
-                                  time.perf_counter() - step_started)
+        if not exploring:  # (an exploring step is not expected to pay: it says nothing of drafting's rate)
+            self._judge_by_throughput(len(active), any(len(tree) for tree in trees),
+                                      sum(len(verification.tokens) for verification, _ in verifications),
+                                      time.perf_counter() - step_started)
         return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]
 
 

@@ -28,10 +28,9 @@ import os
 import random
 from collections.abc import Sequence
 
-import torch
-
 from ..decoding.drafter import Drafter, StepOutcome
 from ..decoding.tree import ROOT, DraftTree
+from ..decoding.verify import greedy_choice
 from .stores.acceptance import AcceptanceTracker
 from .stores.ngram import NGramIndex
 from .stores.successors import SuccessorMatrix, rank_template
@@ -303,7 +302,7 @@ class AdedDrafter(Drafter):
         if self.recycled is not None:
             predictions = self.recycled.observe(row_tokens, previous, outcome.logits)[:, 0].tolist()
         else:
-            predictions = torch.argmax(outcome.logits[: len(row_tokens)].float(), dim=-1).tolist()
+            predictions = greedy_choice(outcome.logits[: len(row_tokens)]).tolist()
         # The model's top prediction at every row, under that row's last two tokens.
         pairs = zip(previous, row_tokens)
         for (a, b), prediction in zip(pairs, predictions):

@@ -7,7 +7,8 @@ thousand multiply-adds per row, and concatenates the caches of a batch at every 
 :func:`rotate_queries_keys` and :func:`silu_mul` do the forward's row-wise steps in one call each, where torch
 takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. ``blocked_linear``
 (float32 on CPUs with AVX-512, bfloat16 with avx512_bf16, see :mod:`draftwise.backend.linear`) is the linear
-products over weights packed once by ``pack_blocked_weight``. Every kernel computes a row from that row alone, in an
+products over weights packed once by ``pack_blocked_weight``; :func:`top_tokens` ranks the rows of logits (the
+greedy token, the top predictions some drafters keep). Every kernel computes a row from that row alone, in an
 order fixed by its position and width, so a row's bits never depend on the call's size.
 
 The extension is built from its sources with the machine's compiler the first time it is needed (about a minute,
@@ -166,6 +167,25 @@ def rotate_queries_keys(
     kv_heads) * dim)``: queries times ``scale`` ``(rows, heads, dim)`` and keys ``(rows, kv_heads, dim)``.
     ``cos`` and ``signed_sin`` ``(rows, dim)`` are each row's position's (``signed_sin``'s first half negated)."""
     return _module().rotate_queries_keys(qkv, cos, signed_sin, rows, heads, kv_heads, scale)
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The indices of the ``k`` largest values of each row of ``logits`` ``(rows, width)`` (a CPU tensor in
+    float32, bfloat16 or float16), best first, ties to the lower index; ``None`` where that is not computed here:
+    the kernels not loaded in this process (never built for it), ``k`` past 64 or the width, another dtype or
+    layout, or a row holding NaN."""
+    module = _loaded()
+    if (module is None or logits.device.type != "cpu" or logits.dim() != 2 or not 1 <= k <= min(64, logits.shape[1])
+            or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    indices, ranked = module.top_tokens(logits if logits.stride(1) == 1 else logits.contiguous(), k)
+    return indices if ranked else None
+
+
+def _loaded() -> Any | None:
+    """The compiled module where this process has already loaded it (a caller that merely could use it never
+    starts a build)."""
+    return _load()[0] if _load.cache_info().currsize else None
 
 
 def _module() -> Any:

@@ -1,4 +1,4 @@
-// The extension's Python module: the kernels of ragged_attention.cpp, row_ops.cpp and linear.cpp.
+// The extension's Python module: the kernels of ragged_attention.cpp, row_ops.cpp, linear.cpp and ranking.cpp.
 
 #include <torch/extension.h>
 
@@ -20,6 +20,7 @@ std::vector<std::string> blocked_linear_dtypes();
 torch::Tensor pack_blocked_weight(const torch::Tensor& weight);
 torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& packed,
                              const c10::optional<torch::Tensor>& bias, int64_t out_features);
+std::tuple<torch::Tensor, bool> top_tokens(const torch::Tensor& logits, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("ragged_attention", &ragged_attention, "Attention of ragged verification rows over block caches");
@@ -28,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("blocked_linear_dtypes", &blocked_linear_dtypes, "The dtypes blocked_linear runs here");
     module.def("pack_blocked_weight", &pack_blocked_weight, "Weights packed for blocked_linear");
     module.def("blocked_linear", &blocked_linear, "x W^T + b from packed weights, batch invariant");
+    module.def("top_tokens", &top_tokens, "The k largest values' indices of every row, best first");
     module.def("rotate_queries_keys", &rotate_queries_keys, "Rotary embedding of the rows' queries (scaled) and keys");
 }

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ...decoding.verify import top_tokens
+
 #: Matrix entry of a token whose successors were never seen.
 EMPTY = -1
 
@@ -97,7 +99,7 @@ class SuccessorMatrix:
     @staticmethod
     def top_tokens(logits: torch.Tensor, k: int) -> np.ndarray:
         """The ``k`` most likely tokens of each row of ``logits``, best first."""
-        return torch.topk(logits.float(), k, dim=-1).indices.cpu().numpy()
+        return top_tokens(logits, k).cpu().numpy()
 
     def _row(self, before: int | None, token: int) -> Sequence[int]:
         if self.pairs and before is not None:

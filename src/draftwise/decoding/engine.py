@@ -434,7 +434,8 @@ class Decoder:
             trees = explore(offers)
         elif offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
             self._judge_drafting(trees, draft_seconds)
-        self._since_drafts[len(active)] = 0 if any(len(tree) for tree in trees) else since_drafts
+        drafted = any(len(tree) for tree in trees)
+        self._since_drafts[len(active)] = 0 if drafted else since_drafts
         want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
         forward_started = time.perf_counter()
         output = self.target.forward(
@@ -459,7 +460,7 @@ class Decoder:
             sequence.stats.time_s = time.perf_counter() - sequence.started
             events_by_sequence[id(sequence)] = event
         if not exploring:  # (an exploring step is not expected to pay: it says nothing of drafting's rate)
-            self._judge_by_throughput(len(active), any(len(tree) for tree in trees),
+            self._judge_by_throughput(len(active), drafted,
                                       sum(len(verification.tokens) for verification, _ in verifications),
                                       time.perf_counter() - step_started)
         return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]

@@ -92,14 +92,9 @@ class SuccessorMatrix:
         :meth:`~draftwise.decoding.tree.DraftTree.row_tokens` and :meth:`~draftwise.decoding.tree.DraftTree.row_previous`).
         """
         rows = logits[: len(row_tokens)]
-        top = self.top_tokens(rows, self.top_k)
+        top = top_tokens(rows, self.top_k).cpu().numpy()
         self.record(row_tokens, top, rows.shape[-1], previous_tokens)
         return top
-
-    @staticmethod
-    def top_tokens(logits: torch.Tensor, k: int) -> np.ndarray:
-        """The ``k`` most likely tokens of each row of ``logits``, best first."""
-        return top_tokens(logits, k).cpu().numpy()
 
     def _row(self, before: int | None, token: int) -> Sequence[int]:
         if self.pairs and before is not None:

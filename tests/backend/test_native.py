@@ -150,6 +150,40 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
     assert [result.token_ids for result in batched] == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, kind, tmp_path):
+    """The decoder layers as one compiled call give the logits and the cache contents of the Python loop over the
+    same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections)."""
+    model = make_tiny_model(kind, seed=1).to(dtype)
+    target = planned(model, tmp_path)
+    if target.compiled_layers is None:
+        pytest.skip(f"the blocked products do not run {dtype} on this CPU")
+    assert len(target.compiled_layers) == model.config.num_hidden_layers
+    rng = random.Random(3)
+    prompts = [repetitive_prompt(rng, low=10, high=140) for _ in range(3)]
+    vocab = model.config.vocab_size
+    tree = DraftTree.from_paths([[rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab)]])
+    batches = [
+        [RowBlock.chain([5])],
+        [RowBlock.chain([5, 6, 7])],
+        [tree.rows(9), RowBlock.chain([4]), RowBlock.chain([1, 2])],
+    ]
+    compiled = target.compiled_layers
+    with torch.inference_mode():
+        for blocks in batches:
+            results = []
+            for layers in (compiled, None):
+                target.compiled_layers = layers
+                caches = prefilled_caches(target, prompts[: len(blocks)], 160)
+                logits = target.forward(caches, blocks).logits
+                results.append((logits, [(cache.keys.clone(), cache.values.clone()) for cache in caches]))
+            target.compiled_layers = compiled
+            (fast, fast_caches), (slow, slow_caches) = results
+            assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(fast_caches, slow_caches))
+
+
 def test_kernel_choice_is_explicit():
     model = make_tiny_model("llama", seed=0)
     assert LeanTarget(model, kernel=False).attention_path == "library"

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .attention import (
+    RaggedLayout,
     batch_block_attention,
     batch_layout,
     block_attention,
@@ -238,6 +239,7 @@ class LeanTarget(Target):
         half = self.head_dim // 2
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.compiled_layers = self._compiled_layers()
 
     def _compiled_kernels(self, wanted: bool | None) -> Any | None:
         """The compiled kernels' module, if used (see the ``kernel`` argument)."""
@@ -308,6 +310,23 @@ class LeanTarget(Target):
             mlp_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=self.linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), gate_up_bias, min_rows),
             down=self.linear(mlp.down_proj.weight, mlp.down_proj.bias, min_rows),
+        )
+
+    def _compiled_layers(self) -> Any | None:
+        """The decoder layers as one compiled loop (:class:`draftwise.backend.native` ``DecoderLayers``) where every
+        product runs through the blocked kernel: the same kernels in the same order as :meth:`_run`'s loop, without
+        the interpreter's per-operation cost (about a millisecond of a 30-layer model's one-row forward)."""
+        if self.kernel is None:
+            return None
+        products = [(layer.qkv, layer.output, layer.gate_up, layer.down) for layer in self.layers]
+        if not all(linear.blocked is not None for group in products for linear in group):
+            return None
+        first = products[0]
+        return self.kernel.DecoderLayers(
+            [norm for layer in self.layers for norm in (layer.attention_norm, layer.mlp_norm)],
+            [linear.weight for group in products for linear in group],
+            [linear.bias for group in products for linear in group],
+            [linear.out_features for linear in first], self.heads, self.kv_heads, self.eps, self.scale,
         )
 
     @property
@@ -401,7 +420,7 @@ class LeanTarget(Target):
 
     def _run(
         self, caches: Sequence[LeanCache], tokens: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], attend,
-        skip: LayerSkip | None = None, deferred: frozenset[int] = frozenset(),
+        skip: LayerSkip | None = None, deferred: frozenset[int] = frozenset(), layout: RaggedLayout | None = None,
     ) -> list[torch.Tensor]:
         """The decoder layers over each sequence's new rows (``tokens[i]`` at its cache length plus ``depths[i]``),
         all sequences' rows in the same products, each sequence's attention on its own cache; the rows' keys and
@@ -411,7 +430,9 @@ class LeanTarget(Target):
         sub-layers left out (a layer-skipping draft: a skipped attention writes no keys or values). The sequences
         ``deferred`` (by index; their attention takes this forward's rows from the keys and values it is given) get
         every layer's keys and values written once, after the last layer: a write per sequence per forward instead
-        of per layer. Returns each sequence's final normed hidden states."""
+        of per layer. With ``layout`` (every sequence's rows as the compiled attention reads them; every sequence
+        ``deferred``, no ``skip``), the layers run as one compiled loop where this target has it. Returns each
+        sequence's final normed hidden states."""
         if deferred and skip is not None:
             raise ValueError("a layer-skipping forward writes its keys and values layer by layer")
         sizes = [len(row_tokens) for row_tokens in tokens]
@@ -434,16 +455,27 @@ class LeanTarget(Target):
         hidden = self.embedding[flat_tokens]
         skip_attention = skip.attention if skip is not None else frozenset()
         skip_mlp = skip.mlp if skip is not None else frozenset()
-        # Every layer's keys and values, kept until the deferred sequences' caches are written.
-        written: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if deferred else None
-        for index, layer in enumerate(self.layers):
-            if index not in skip_attention:
-                hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend, written)
-            if index not in skip_mlp:
-                hidden = hidden + self._mlp(layer, hidden)
-        if written:
-            all_keys = torch.stack([keys for keys, _ in written])  # (layers, rows, kv_heads, head_dim)
-            all_values = torch.stack([values for _, values in written])
+        compiled = (layout is not None and self.compiled_layers is not None and skip is None
+                    and len(deferred) == len(caches) and not self.head.fixed_rows)
+        if compiled:
+            hidden, all_keys, all_values = self.compiled_layers.run(
+                hidden, cos, sin, self.linear_min_rows, [cache.keys for cache in caches],
+                [cache.values for cache in caches], layout.row_sequence, layout.row_committed, layout.path_offsets,
+                layout.path_rows,
+            )
+        else:
+            # Every layer's keys and values, kept until the deferred sequences' caches are written.
+            written: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if deferred else None
+            for index, layer in enumerate(self.layers):
+                if index not in skip_attention:
+                    hidden = self._attention_block(index, layer, hidden, caches, slots, bounds, cos, sin, attend,
+                                                   written)
+                if index not in skip_mlp:
+                    hidden = hidden + self._mlp(layer, hidden)
+            if written:
+                all_keys = torch.stack([keys for keys, _ in written])  # (layers, rows, kv_heads, head_dim)
+                all_values = torch.stack([values for _, values in written])
+        if deferred:
             for sequence in sorted(deferred):
                 self._write_rows(caches[sequence], all_keys, all_values, bounds[sequence], sizes[sequence])
         states = self._rms_norm(hidden, self.norm)
@@ -604,11 +636,12 @@ class LeanTarget(Target):
             )
         shape = (self.kv_heads, self.group, self.head_dim)
         deferred: frozenset[int] = frozenset()  # sequences whose caches are written once, after the last layer
+        ragged: RaggedLayout | None = None  # the compiled attention's rows
         if self.kernel is not None:
             # Every row in one call per layer, its committed keys read in place and this forward's from the new
             # rows; the caches are written once, after the last layer (layer by layer for a layer-skipping draft,
             # whose skipped layers write nothing).
-            layout = ragged_layout([cache.length for cache in caches], [block.parents for block in blocks])
+            layout = ragged = ragged_layout([cache.length for cache in caches], [block.parents for block in blocks])
             kernel = self.kernel
             if skip is None:
                 deferred = frozenset(range(len(caches)))
@@ -669,7 +702,7 @@ class LeanTarget(Target):
                 return output
 
         states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend,
-                           skip, deferred)
+                           skip, deferred, ragged)
         if last_only:
             states = [part[-1:] for part in states]
         return self._outputs(states, hidden_states, head)

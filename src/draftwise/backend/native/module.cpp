@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("blocked_linear", &blocked_linear, "x W^T + b from packed weights, batch invariant");
     module.def("top_tokens", &top_tokens, "The k largest values' indices of every row, best first");
     module.def("rotate_queries_keys", &rotate_queries_keys, "Rotary embedding of the rows' queries (scaled) and keys");
-    pybind11::class_<DecoderLayers>(module, "DecoderLayers")
+    // (module_local: builds of other sources or flags may be loaded in one process beside this one.)
+    pybind11::class_<DecoderLayers>(module, "DecoderLayers", pybind11::module_local())
         .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                             std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, int64_t, int64_t, double,
                             double>())

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from ..backend.target import Target, as_target
-from .calibration import ScoreCalibration
 from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
 from .sampling import Draws, SamplingParams, transform_logits
@@ -68,8 +67,6 @@ class SequenceState:
         cache: the target's KV cache for this sequence.
         submitted: when it was queued for a batch (``time.perf_counter``; ``None`` when run directly).
         started: when its prefill began (``time.perf_counter``).
-        calibration: how the drafter's scores have measured up in this sequence (see
-            :mod:`~draftwise.decoding.calibration`).
     """
 
     prompt_ids: tuple[int, ...]
@@ -86,7 +83,6 @@ class SequenceState:
     cache: Any = None
     submitted: float | None = None
     started: float = 0.0
-    calibration: ScoreCalibration = field(default_factory=ScoreCalibration)
 
     @property
     def finished(self) -> bool:
@@ -427,11 +423,6 @@ class Decoder:
             sequence.stats.draft_time_s += elapsed
             draft_seconds += elapsed
         offered = sum(len(tree) for tree in trees)
-        # Drafters' own scores, held to what verification has found of them in each sequence.
-        factors = [sequence.calibration.factor for sequence in active]
-        own_scores = [tree.scores is not None and len(tree) > 0 for tree in trees]
-        trees = [sequence.calibration.scaled(tree) if factor != 1.0 else tree
-                 for sequence, tree, factor in zip(active, trees, factors)]
         if len(active) > 1:  # a batch prices every draft (alone, a drafter's unscored tree is verified whole)
             trees = [scored_by_acceptance(tree, sequence.stats) for tree, sequence in zip(trees, active)]
             if self.target.batch_chains:
@@ -463,8 +454,6 @@ class Decoder:
             zip(active, trees, contexts, verifications)
         ):
             self.target.commit(sequence.cache, verification.kept_rows)
-            if own_scores[index]:
-                sequence.calibration.learn(tree, factors[index], verification.accepted)
             event = accept(sequence, verification.tokens)
             hidden = output.hidden_states[index] if output.hidden_states is not None else None
             update(sequence, tree, verification, logits, context, event, hidden)

@@ -1,7 +1,7 @@
 // The decoder layers of the lean forward in one call: the same kernels, in the same order, as the Python loop over
-// layers (draftwise.backend.lean), without its per-operation dispatch. A one-row forward of a small model is about
-// ten kernel calls per layer of a few microseconds each; from Python each call also pays its argument conversion and
-// the interpreter's own work, about a millisecond per forward on a 30-layer model, a fifth of its time.
+// layers (draftwise.backend.lean), without its per-operation dispatch. A forward is about ten kernel calls per layer;
+// from Python each also pays its argument conversion and the interpreter's own work: 0.3-0.4 ms of a 30-layer
+// SmolLM2 forward (4.3-4.6 ms for one row), whatever its row count.
 
 #include "kernels.h"
 

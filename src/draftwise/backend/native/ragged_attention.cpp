@@ -38,7 +38,7 @@ struct Scratch {
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
 // Positions per block of the caches (draftwise.backend.lean.BLOCK), known when compiling: a division by a variable
-// for every key and value, in the innermost loops, cost 6-10% of the kernel's time (and a variable shift more).
+// for every key and value, in the innermost loops, cost 6-11% of the kernel's time (and a variable shift more).
 constexpr int64_t kCacheBlock = 64;
 // Positions ahead whose cached keys and values are prefetched: a sequence's cache is read in runs of one block
 // (a few pages, past which the hardware's prefetchers stop), and without the hint a layer's attention waits on memory

@@ -4,11 +4,12 @@
 // Packed layout: (ceil(N / 64), K / e, 64, e), e = 2 for bfloat16 and 1 for float32: tile t holds outputs 64t ..
 // 64t + 63 (zero weights past N) and, for each step of e inputs, four 64-byte vectors of their weights, one per block
 // of sixteen outputs. A row's sixteen outputs of a block are one register of sums, updated with the row's broadcast
-// inputs: no horizontal sums, each weight read once per tile of rows, each tile one contiguous stream.
+// inputs: no horizontal sums, each weight read from memory once a call, each tile one contiguous stream.
 //
 // Every output is one float32 sum over the input steps in order 0, 1, 2, ..., then the bias (and, for bfloat16, one
-// rounding to nearest even), by the same instruction sequence whichever tile of rows it falls in, so a row's bits
-// never depend on how many rows the call holds: these products are batch invariant by construction, from one row.
+// rounding to nearest even), by the same instruction sequence whichever tile of rows it falls in and whether the steps
+// run in one pass or in chunks (the sums wait in memory as float32), so a row's bits never depend on how many rows
+// the call holds: these products are batch invariant by construction, from one row.
 
 #include <torch/extension.h>
 #include <immintrin.h>

@@ -123,6 +123,23 @@ void any_tile(int rows, const typename Step::element* const* inputs, const typen
     }
 }
 
+// any_tile for a chunk of the steps: whether it is the first (sums from zero) and the last (outputs stored).
+// (Branches, not a pointer to one of the four: an indirect call per chunk measured 3-7% slower.)
+template <typename Step>
+inline void any_chunk_tile(bool first, bool last, int rows, const typename Step::element* const* inputs,
+                           const typename Step::element* weights, int64_t steps, __m512* partial,
+                           const typename Step::element* ahead, const typename Step::element* bias,
+                           typename Step::element* const* outputs, int64_t valid) {
+    if (first && last)
+        any_tile<Step, true, true>(rows, inputs, weights, steps, partial, ahead, bias, outputs, valid);
+    else if (first)
+        any_tile<Step, true, false>(rows, inputs, weights, steps, partial, ahead, bias, outputs, valid);
+    else if (last)
+        any_tile<Step, false, true>(rows, inputs, weights, steps, partial, ahead, bias, outputs, valid);
+    else
+        any_tile<Step, false, false>(rows, inputs, weights, steps, partial, ahead, bias, outputs, valid);
+}
+
 // Threads take runs of whole tiles; each tile (one contiguous stream of weights) runs over the rows in tiles of six,
 // its weights staying in cache from one row tile to the next. For one row, and for many rows, whose arithmetic
 // outweighs the reading.
@@ -188,21 +205,9 @@ void product_in_chunks(const typename Step::element* x, int64_t x_stride, int64_
                         row_inputs[r] = x + (row + r) * x_stride + start * Step::kPerStep;
                         row_outputs[r] = y + (row + r) * out_features + column;
                     }
-                    __m512* sums = partial + row * kBlocks;
-                    const element* prefetch = row == 0 ? ahead : nullptr;
-                    const element* row_bias = bias == nullptr ? nullptr : bias + column;
-                    if (first && last)
-                        any_tile<Step, true, true>(tile_rows, row_inputs, weights, chunk_steps, sums, prefetch,
-                                                   row_bias, row_outputs, valid);
-                    else if (first)
-                        any_tile<Step, true, false>(tile_rows, row_inputs, weights, chunk_steps, sums, prefetch,
-                                                    row_bias, row_outputs, valid);
-                    else if (last)
-                        any_tile<Step, false, true>(tile_rows, row_inputs, weights, chunk_steps, sums, prefetch,
-                                                    row_bias, row_outputs, valid);
-                    else
-                        any_tile<Step, false, false>(tile_rows, row_inputs, weights, chunk_steps, sums, prefetch,
-                                                     row_bias, row_outputs, valid);
+                    any_chunk_tile<Step>(first, last, tile_rows, row_inputs, weights, chunk_steps,
+                                         partial + row * kBlocks, row == 0 ? ahead : nullptr,
+                                         bias == nullptr ? nullptr : bias + column, row_outputs, valid);
                 }
             }
         }

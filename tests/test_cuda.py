@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
+TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
 METHODS = sorted(draftwise.METHODS)
 
 

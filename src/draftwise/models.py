@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from .backend.costs import cost_curves
+from .backend.graphed import lean_target
 from .backend.invariance import plan_rows
 from .backend.kernels import use_grouped_query_sdpa, use_row_efficient_linear
-from .backend.lean import LeanTarget, unsupported_reason
+from .backend.lean import unsupported_reason
 from .backend.machine import MeasurementStore, cache_root, resolve_dtype
 from .backend.target import Target, TransformersTarget
 from .errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
@@ -309,7 +310,7 @@ def make_target(
     if backend == "lean" and reason is not None:
         raise UnsupportedModelError(f"the lean backend cannot run this model: {reason}; use backend='transformers'")
     if backend != "transformers" and reason is None:
-        target: Target = LeanTarget(model)
+        target: Target = lean_target(model)
         if calibrate:
             plan_rows(target, store)
     else:

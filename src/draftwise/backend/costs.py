@@ -70,6 +70,8 @@ def measure_cost_curves(
             for shape, block in blocks[count].items():
                 started = time.perf_counter()
                 target.forward([cache], [block])
+                if target.device.type == "cuda":  # (the forward only queues its work there)
+                    torch.cuda.synchronize(target.device)
                 seconds[shape].setdefault(count, []).append(time.perf_counter() - started)
     medians = {shape: {count: statistics.median(times) for count, times in by_rows.items()}
                for shape, by_rows in seconds.items()}

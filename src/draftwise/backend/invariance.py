@@ -252,7 +252,7 @@ def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 
         _apply(target, plan)
         return plan
     attention = probe_attention_rows(target) or CANDIDATE_MIN_ROWS[-1]
-    if target.device.type == "cpu":
+    if target.device.type == "cpu" and not getattr(target, "fixed_row_plan", False):
         fixed = False
         linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
         ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]

@@ -82,6 +82,16 @@ class SpanCache:
     def values(self) -> torch.Tensor:
         return self.slot.values
 
+    def region(self, start: int, end: int) -> tuple[slice, slice, slice]:
+        """An index of ``keys`` and ``values`` covering positions ``start .. end - 1`` of every layer."""
+        return slice(None), slice(None), slice(start, end)
+
+    def move(self, sources: torch.Tensor, start: int) -> None:
+        """Copy the positions ``sources`` of every layer to ``start, start + 1, ...`` (sources read first)."""
+        targets = torch.arange(start, start + sources.shape[0], device=sources.device)
+        for buffer in (self.keys, self.values):
+            buffer[:, :, targets] = buffer[:, :, sources]
+
 
 class GraphedLeanTarget(LeanTarget):
     """A llama- or qwen2-family model on the lean forward in one fixed step shape (see the module docstring).
@@ -130,29 +140,6 @@ class GraphedLeanTarget(LeanTarget):
         cache = SpanCache(slot)
         weakref.finalize(cache, self._free.append, slot)  # a finished sequence's slot (and graph) serves the next
         return cache
-
-    def commit(self, cache: SpanCache, rows: Sequence[int]) -> None:
-        rows = list(rows)
-        start = cache.length
-        if rows != list(range(len(rows))):
-            sources = torch.tensor([start + row for row in rows], device=self.device)
-            targets = torch.arange(start, start + len(rows), device=self.device)
-            for buffer in (cache.keys, cache.values):
-                buffer[:, :, targets] = buffer[:, :, sources]
-        cache.length = start + len(rows)
-
-    def skipped_logits(self, cache: SpanCache, tokens: Sequence[int], start: int, skip: LayerSkip) -> torch.Tensor:
-        committed, end = cache.length, start + len(tokens)
-        if not tokens or start < 0 or end > committed:
-            raise ValueError(f"rows {start}..{end - 1} are not all committed ({committed} positions)")
-        saved = cache.keys[:, :, start:end].clone(), cache.values[:, :, start:end].clone()
-        cache.length = start
-        try:
-            return self.forward([cache], [RowBlock.chain(list(tokens))], skip=skip).logits[0]
-        finally:
-            cache.keys[:, :, start:end] = saved[0]
-            cache.values[:, :, start:end] = saved[1]
-            cache.length = committed
 
     # --------------------------------------------------------------------------------------------- forward
 

@@ -114,6 +114,11 @@ class LeanCache:
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
 
+    def region(self, start: int, end: int) -> tuple[slice, slice]:
+        """An index of ``keys`` and ``values`` covering positions ``start .. end - 1`` of every layer (whole
+        blocks)."""
+        return slice(None), slice(start // self.block, (end - 1) // self.block + 1)
+
     def move(self, sources: torch.Tensor, start: int) -> None:
         """Copy the positions ``sources`` of every layer to ``start, start + 1, ...`` (sources read first)."""
         targets = torch.arange(start, start + sources.shape[0], device=sources.device)
@@ -384,14 +389,14 @@ class LeanTarget(Target):
         committed, end = cache.length, start + len(tokens)
         if not tokens or start < 0 or end > committed:
             raise ValueError(f"rows {start}..{end - 1} are not all committed ({committed} positions)")
-        first, last = start // self.block, (end - 1) // self.block + 1
-        saved = cache.keys[:, first:last].clone(), cache.values[:, first:last].clone()
+        region = cache.region(start, end)
+        saved = cache.keys[region].clone(), cache.values[region].clone()
         cache.length = start
         try:
             return self.forward([cache], [RowBlock.chain(list(tokens))], skip=skip).logits[0]
         finally:
-            cache.keys[:, first:last] = saved[0]
-            cache.values[:, first:last] = saved[1]
+            cache.keys[region] = saved[0]
+            cache.values[region] = saved[1]
             cache.length = committed
 
     # --------------------------------------------------------------------------------------------- forward

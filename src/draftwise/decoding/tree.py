@@ -21,6 +21,22 @@ from ..backend.rows import CACHE, RowBlock, ancestor_matrix
 ROOT = -1
 
 
+def prefix_scores(
+    scored_paths: Iterable[tuple[Sequence[float], Sequence[int]]], into: dict[tuple[int, ...], float] | None = None
+) -> dict[tuple[int, ...], float]:
+    """The score of every token prefix of ``scored_paths`` (see :meth:`DraftTree.from_scored_paths`), added to
+    ``into`` (a prefix already there keeps the better score and its place in the order)."""
+    score: dict[tuple[int, ...], float] = {} if into is None else into
+    for probabilities, path in scored_paths:
+        prefix: tuple[int, ...] = ()
+        reach = 1.0
+        for probability, token in zip(probabilities, path):
+            prefix = (*prefix, int(token))
+            reach *= float(probability)
+            score[prefix] = max(score.get(prefix, 0.0), reach)
+    return score
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """Draft tokens arranged as a tree below the root.
@@ -112,15 +128,7 @@ class DraftTree:
         accepted; scores never grow along a path, so the ``budget`` best nodes always form a tree. Ties go to the
         shallower node, then to the earlier path. The tree keeps the scores (see :meth:`best`).
         """
-        score: dict[tuple[int, ...], float] = {}
-        for probabilities, path in scored_paths:
-            prefix: tuple[int, ...] = ()
-            reach = 1.0
-            for probability, token in zip(probabilities, path):
-                prefix = (*prefix, int(token))
-                reach *= float(probability)
-                score[prefix] = max(score.get(prefix, 0.0), reach)
-        return cls.from_prefix_scores(score, budget)
+        return cls.from_prefix_scores(prefix_scores(scored_paths), budget)
 
     @classmethod
     def from_prefix_scores(cls, scores: dict[tuple[int, ...], float], budget: int | None = None) -> DraftTree:

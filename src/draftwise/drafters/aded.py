@@ -29,7 +29,7 @@ import random
 from collections.abc import Sequence
 
 from ..decoding.drafter import Drafter, StepOutcome
-from ..decoding.tree import ROOT, DraftTree
+from ..decoding.tree import ROOT, DraftTree, prefix_scores
 from ..decoding.verify import greedy_choice
 from .stores.acceptance import AcceptanceTracker
 from .stores.ngram import NGramIndex
@@ -243,26 +243,24 @@ class AdedDrafter(Drafter):
             lookup, (context[-2], context[-1]), self.iterations, self.max_depth, self.rollout_depth,
             self.c1, self.c2, self.rng,
         )
-        return DraftTree.from_scored_paths(
-            [*self._copies(context), *self._searched_paths(found, lookup), *self._recycled_paths(context)], budget
-        )
+        scores = prefix_scores([*self._copies(context), *self._searched_paths(found, lookup)])
+        self._score_recycled(context, scores)
+        return DraftTree.from_prefix_scores(scores, budget)
 
-    def _recycled_paths(self, context: Sequence[int]) -> list[tuple[list[float], list[int]]]:
-        """The recycled-prediction template below the context's last token, as leaf paths (kind: rank)."""
+    def _score_recycled(self, context: Sequence[int], scores: dict[tuple[int, ...], float]) -> None:
+        """Add the recycled-prediction template below the context's last token (kind: rank) to ``scores``, node by
+        node: a node's score is its parent's times its own rate, as for a path through it."""
         if self.recycled is None:
-            return []
-        nodes = self.recycled.fill(context[-1], self.recycle_template)
-        has_child = {parent for _, _, parent in nodes}
-        paths = []
-        for leaf in (node for node in range(len(nodes)) if node not in has_child):
-            tokens, kinds = [], []
-            node = leaf
-            while node != ROOT:
-                ranks, token, node = nodes[node]
-                tokens.append(token)
-                kinds.append(("recycled", ranks[-1]))
-            paths.append((self.acceptance.path_rates(tokens[::-1], kinds[::-1], self._kind_of_path), tokens[::-1]))
-        return paths
+            return
+        prefixes: list[tuple[int, ...]] = []
+        reaches: list[float] = []
+        for ranks, token, parent in self.recycled.fill(context[-1], self.recycle_template):
+            prefix = (token,) if parent == ROOT else (*prefixes[parent], token)
+            kind = self._kind_of_path.setdefault(prefix, ("recycled", ranks[-1]))
+            reach = (1.0 if parent == ROOT else reaches[parent]) * self.acceptance.rate(kind, len(prefix))
+            prefixes.append(prefix)
+            reaches.append(reach)
+            scores[prefix] = max(scores.get(prefix, 0.0), reach)
 
     def _copies(self, context: Sequence[int]) -> list[tuple[list[float], list[int]]]:
         """What followed earlier occurrences of the context's last n-gram, longest n-grams first."""

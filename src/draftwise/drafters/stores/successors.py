@@ -55,6 +55,7 @@ class SuccessorMatrix:
         self.matrix = np.full((vocab_size or 0, top_k), EMPTY, dtype=np.int32)
         self.pair_capacity = pair_capacity
         self.pairs: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._template_parents: tuple[Sequence[tuple[int, ...]], list[int]] | None = None
 
     def _ensure_rows(self, rows: int) -> None:
         if rows > self.matrix.shape[0]:
@@ -101,7 +102,7 @@ class SuccessorMatrix:
             row = self.pairs.get((before, token))
             if row is not None:
                 return row
-        return self.matrix[token] if token < self.matrix.shape[0] else ()
+        return self.matrix[token].tolist() if token < self.matrix.shape[0] else ()
 
     def fill(
         self, root: int, template: Sequence[tuple[int, ...]], before: int | None = None
@@ -110,11 +111,12 @@ class SuccessorMatrix:
         parents first (``parent`` indexes this list, -1 = the root). A slot whose parent is missing, whose entry is
         empty or whose token repeats a sibling is skipped."""
         nodes: list[tuple[tuple[int, ...], int, int]] = []
-        node_of: dict[tuple[int, ...], int] = {}
+        node_of_slot: list[int] = []  # by template slot: its node, -2 when skipped
         siblings: set[tuple[int, int]] = set()
         rows: dict[int, Sequence[int]] = {-1: self._row(before, root)}
-        for ranks in template:
-            parent = node_of.get(ranks[:-1], -2) if len(ranks) > 1 else -1
+        for ranks, parent_slot in zip(template, self._parent_slots(template)):
+            parent = parent_slot if parent_slot < 0 else node_of_slot[parent_slot]
+            node_of_slot.append(-2)
             if parent == -2:
                 continue
             row = rows.get(parent)
@@ -127,9 +129,22 @@ class SuccessorMatrix:
             if token == EMPTY or (parent, token) in siblings:
                 continue
             siblings.add((parent, token))
-            node_of[ranks] = len(nodes)
+            node_of_slot[-1] = len(nodes)
             nodes.append((ranks, token, parent))
         return nodes
+
+    def _parent_slots(self, template: Sequence[tuple[int, ...]]) -> list[int]:
+        """Each template slot's parent slot (-1 below the root, -2 when its parent path is not listed before it: never
+        filled), worked out once per template: every step fills the same one."""
+        cached = self._template_parents
+        if cached is None or cached[0] is not template:
+            first_slot: dict[tuple[int, ...], int] = {}
+            parents = []
+            for slot, ranks in enumerate(template):
+                parents.append(-1 if len(ranks) == 1 else first_slot.get(ranks[:-1], -2))
+                first_slot.setdefault(ranks, slot)
+            cached = self._template_parents = (template, parents)
+        return cached[1]
 
     def state(self) -> dict[str, np.ndarray]:
         """The learned state as arrays (for ``.npz`` files): the matrix, and the pairs with their successors."""

@@ -86,12 +86,14 @@ def test_kernel_matches_exact_attention(dtype, head_dim, group):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_row_is_bitwise_its_result_alone(dtype):
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 2), (80, 2)])
+def test_every_row_is_bitwise_its_result_alone(dtype, head_dim, group):
     """A row's output is the same bits whether it is alone, one of its sequence's tree or chain, or one row of a
-    batch of sequences; and whatever the thread count."""
-    lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0]
-    parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0)]
-    query, new_keys, new_values, keys, values = problem(dtype, 64, 3, lengths, parents, seed=3)
+    batch of sequences; and whatever the thread count. (Odd and even cache lengths: bfloat16 values are weighted
+    two positions at a time, paired by parity.)"""
+    lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0, 2 * BLOCK]
+    parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0), (-1, 0, 0, 1)]
+    query, new_keys, new_values, keys, values = problem(dtype, head_dim, group, lengths, parents, seed=3)
     together = run(query, new_keys, new_values, keys, values, 0, lengths, parents)
     threads = torch.get_num_threads()
     try:

@@ -6,8 +6,9 @@
 // key (sixteen lanes of multiply-adds over the head dimensions, in dimension order, or for bfloat16 on CPUs with
 // avx512_bf16 pairs of dimensions multiplied and added by vdpbf16ps straight from the cache; then the lanes in a
 // fixed pairwise pattern, for sixteen committed keys at once with the same pattern), the weighted values position
-// by position, and the weights' total in sixteen interleaved partial sums added in a fixed pattern; rows are split
-// between threads whole, so the thread count changes nothing either.
+// by position (for bfloat16 with avx512_bf16, position pair by position pair, weights rounded to bfloat16, by
+// vdpbf16ps: see attend_value_pairs), and the weights' total in sixteen interleaved partial sums added in a fixed
+// pattern; rows are split between threads whole, so the thread count changes nothing either.
 //
 // A row reads its sequence's committed positions in place from the block-major cache ``(layers, blocks, kv_heads,
 // block, head_dim)`` and this forward's rows on its path (its ancestors, then itself) from the new keys and values.
@@ -34,6 +35,7 @@ struct Scratch {
     std::vector<floats16> sums;     // (rows, group, chunks)
     std::vector<float> scores;      // (rows, group, padded positions)
     std::vector<float> totals;      // (rows, group)
+    std::vector<uint32_t> weight_pairs;  // (rows, group, padded / 2): bfloat16 weights of position pairs
 };
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
@@ -176,6 +178,115 @@ inline void add_committed_values(const SequenceView<scalar_t>& view, const float
             for (int c = 0; c < C; ++c) sums[((first + t) * G + g) * C + c] = totals[t][g][c];
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 values weighted two positions at a time: a row's weights are rounded to bfloat16 (as a bfloat16 model's
+// attention casts its softmax before the product with the values) and each pair of positions (2k, 2k + 1) goes
+// through one vdpbf16ps per sixteen dimensions, twice the multiply-adds of an instruction in float32, and read in
+// place. Positions pair by their parity whether committed or this forward's, so a row's sums take the same steps
+// wherever its keys sit. A pair's values are interleaved by unpacking within 128-bit lanes: accumulator ``2h`` holds
+// dimensions ``32h + 8q + i`` and ``2h + 1`` dimensions ``32h + 8q + 4 + i`` at lane ``4q + i`` (see
+// natural_chunk).
+
+// The values at two positions (``dim`` = 32 * halves elements each) as ``2 * halves`` interleaved pair vectors.
+template <int H>
+inline void interleave_values(const c10::BFloat16* first, const c10::BFloat16* second, __m512bh* out) {
+    for (int h = 0; h < H; ++h) {
+        const __m512i a = _mm512_loadu_si512(first + 32 * h), b = _mm512_loadu_si512(second + 32 * h);
+        out[2 * h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        out[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+}
+
+// Chunk ``c`` (dimensions 16c .. 16c + 15) of sums held in the interleaved order.
+inline floats16 natural_chunk(const floats16* sums, int64_t c) {
+    const floats16 low = sums[c & ~int64_t{1}], high = sums[c | 1];
+    return (c & 1) ? __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)
+                   : __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+}
+
+// Adds the committed position pairs ``(0, 1) .. (2 * pairs - 2, 2 * pairs - 1)`` to the sums of ``T`` rows from
+// ``first``; ``weight_pairs`` holds each row's and head's weights as bfloat16 pairs, ``half`` of them per row.
+template <int G, int C, int T>
+inline void add_committed_value_pairs(const SequenceView<c10::BFloat16>& view, const uint32_t* weight_pairs,
+                                      int64_t half, int64_t first, int64_t pairs, int64_t dim, floats16* sums) {
+    __m512 totals[T][G][C];
+    for (int t = 0; t < T; ++t)
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) totals[t][g][c] = (__m512)sums[((first + t) * G + g) * C + c];
+    __m512bh value[C];
+    for (int64_t k = 0; k < pairs; ++k) {
+        prefetch_value(view, 2 * k, dim);
+        prefetch_value(view, 2 * k + 1, dim);
+        interleave_values<C / 2>(view.value(2 * k, dim), view.value(2 * k + 1, dim), value);
+        for (int t = 0; t < T; ++t)
+            for (int g = 0; g < G; ++g) {
+                const __m512bh weight = (__m512bh)_mm512_set1_epi32(
+                    static_cast<int>(weight_pairs[((first + t) * G + g) * half + k]));
+                for (int c = 0; c < C; ++c) totals[t][g][c] = _mm512_dpbf16_ps(totals[t][g][c], weight, value[c]);
+            }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) sums[((first + t) * G + g) * C + c] = (floats16)totals[t][g][c];
+}
+
+// The weighted values of ``rows`` rows (weights in ``scores``, rounded to bfloat16; totals in ``totals``), position
+// pair by position pair, written to ``outputs``.
+template <int G, int C>
+void attend_value_pairs(const SequenceView<c10::BFloat16>& view, const float* scores, const float* totals,
+                        int64_t padded, int64_t rows, const int64_t* const* paths, const int64_t* path_lengths,
+                        int64_t dim, floats16* sums, std::vector<uint32_t>& pair_buffer,
+                        c10::BFloat16* const* outputs) {
+    const int64_t half = padded / 2;
+    pair_buffer.resize(rows * G * half);
+    uint32_t* weight_pairs = pair_buffer.data();
+    for (int64_t i = 0; i < rows * G; ++i) {
+        const uint32_t* bits = reinterpret_cast<const uint32_t*>(scores + i * padded);
+        uint32_t* pairs = weight_pairs + i * half;
+        int64_t k = 0;
+        for (; k + kLanes <= half; k += kLanes) {
+            words16 a, b;
+            std::memcpy(&a, bits + 2 * k, sizeof(a));
+            std::memcpy(&b, bits + 2 * k + kLanes, sizeof(b));
+            const words16 even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const words16 odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            const words16 packed = (even >> 16) | (odd & 0xFFFF0000u);
+            std::memcpy(pairs + k, &packed, sizeof(packed));
+        }
+        for (; k < half; ++k) pairs[k] = (bits[2 * k] >> 16) | (bits[2 * k + 1] & 0xFFFF0000u);
+    }
+    const int64_t committed_pairs = view.committed / 2;
+    int64_t r = 0;
+    if constexpr (G * C <= 12)  // two rows' sums in registers where they fit
+        for (; r + 2 <= rows; r += 2)
+            add_committed_value_pairs<G, C, 2>(view, weight_pairs, half, r, committed_pairs, dim, sums);
+    for (; r < rows; ++r) add_committed_value_pairs<G, C, 1>(view, weight_pairs, half, r, committed_pairs, dim, sums);
+    alignas(64) c10::BFloat16 zeros[16 * C] = {};  // the missing partner of a last even position (weight zero)
+    __m512bh value[C];
+    for (r = 0; r < rows; ++r) {
+        const int64_t committed = view.committed, positions = committed + path_lengths[r];
+        const auto value_at = [&](int64_t p) -> const c10::BFloat16* {
+            if (p >= positions) return zeros;
+            if (p < committed) return view.value(p, dim);
+            return view.fresh_values + paths[r][p - committed] * view.fresh_value_stride;
+        };
+        for (int64_t p = 2 * committed_pairs; p < positions; p += 2) {
+            interleave_values<C / 2>(value_at(p), value_at(p + 1), value);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[(r * G + g) * half + p / 2]));
+                floats16* sum = sums + (r * G + g) * C;
+                for (int c = 0; c < C; ++c) sum[c] = (floats16)_mm512_dpbf16_ps((__m512)sum[c], weight, value[c]);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            const float total = totals[r * G + g];
+            c10::BFloat16* out = outputs[r] + g * dim;
+            for (int c = 0; c < C; ++c) store_lanes(out + c * kLanes, natural_chunk(sums + (r * G + g) * C, c) / total, kLanes);
+        }
+    }
+}
+#endif
+
 // One sequence's rows (``rows`` of them; row ``r``'s path of ``path_lengths[r]`` new rows at ``paths[r]``) for one
 // key head and its ``G`` query heads. Committed keys and values are read once for all the rows.
 template <typename scalar_t, int G, int C>
@@ -184,6 +295,7 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
                           Scratch& scratch) {
     // C: the chunk count when known at compile time (head_dim 64 or 128), 0 otherwise.
     const int64_t chunks = C ? C : (dim + kLanes - 1) / kLanes;
+    constexpr bool kPairedValues = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16> && (C == 4 || C == 8);
     const int64_t committed = view.committed;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, path_lengths[r]);
@@ -260,6 +372,12 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             floats16 lanes = {};
             for (int64_t p = 0; p < padded; p += kLanes) {
                 floats16 weights = exp_nonpositive(load16(row + p) - maximum);
+                if constexpr (kPairedValues) {
+                    // Rounded to bfloat16 (to nearest even; weights are finite) for the paired products, and the
+                    // total taken of the rounded weights, so the result is their weighted average.
+                    const words16 bits = reinterpret_cast<words16>(weights);
+                    weights = reinterpret_cast<floats16>((bits + (((bits >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u);
+                }
                 if (p + kLanes > positions)
                     for (int64_t lane = std::max<int64_t>(positions - p, 0); lane < kLanes; ++lane) weights[lane] = 0.0f;
                 std::memcpy(row + p, &weights, sizeof(weights));
@@ -268,6 +386,13 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             scratch.totals[r * G + g] = horizontal_sum(lanes);
         }
     }
+#if defined(__AVX512BF16__)
+    if constexpr (kPairedValues) {
+        attend_value_pairs<G, C>(view, scores, scratch.totals.data(), padded, rows, paths, path_lengths, dim, sums,
+                                 scratch.weight_pairs, outputs);
+        return;
+    }
+#endif
     if constexpr (C > 0 && G * C <= 12) {
         // Two rows at a time where their sums fit in registers (24 of them), one at a time otherwise.
         int64_t r = 0;

@@ -82,7 +82,9 @@ def cost_curves(target: Any, store: MeasurementStore | None = None, measure: boo
     """The target's cost curves: recalled from this machine's measurements, else measured (when ``measure``) and
     kept."""
     store = store if store is not None else MeasurementStore()
-    key = machine_key(target.device, target.dtype, {**model_shape(target), "backend": target.backend})
+    # (New compiled kernels change the costs: they are measured again.)
+    key = machine_key(target.device, target.dtype, {**model_shape(target), "backend": target.backend,
+                                                    "kernels": getattr(target, "kernels_build", None)})
     record = store.load(key)
     saved = record.get("cost_curves")
     if saved and saved.get("version") == CURVE_VERSION:

@@ -21,12 +21,10 @@ from ..backend.rows import CACHE, RowBlock, ancestor_matrix
 ROOT = -1
 
 
-def prefix_scores(
-    scored_paths: Iterable[tuple[Sequence[float], Sequence[int]]], into: dict[tuple[int, ...], float] | None = None
-) -> dict[tuple[int, ...], float]:
-    """The score of every token prefix of ``scored_paths`` (see :meth:`DraftTree.from_scored_paths`), added to
-    ``into`` (a prefix already there keeps the better score and its place in the order)."""
-    score: dict[tuple[int, ...], float] = {} if into is None else into
+def prefix_scores(scored_paths: Iterable[tuple[Sequence[float], Sequence[int]]]) -> dict[tuple[int, ...], float]:
+    """The score of every token prefix of ``scored_paths``, in the order first reached (see
+    :meth:`DraftTree.from_scored_paths`)."""
+    score: dict[tuple[int, ...], float] = {}
     for probabilities, path in scored_paths:
         prefix: tuple[int, ...] = ()
         reach = 1.0

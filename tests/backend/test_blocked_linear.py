@@ -46,18 +46,18 @@ def test_matches_a_float64_product(out_features, in_features, bias, dtype):
 @pytest.mark.parametrize("in_features", [96, 200])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_row_is_bitwise_its_result_alone(threads, in_features, dtype):
-    # 2-16 rows take the weights in chunks of input steps (sums kept between chunks), 1 and more than 16 in one pass:
+    # 2-32 rows take the weights in chunks of input steps (sums kept between chunks), 1 and more than 32 in one pass:
     # widths with a last chunk full and short, row counts on both sides.
     weight, offsets = weights(200, in_features, dtype=dtype)
-    inputs = torch.randn(37, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
+    inputs = torch.randn(45, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
     packed = kernels.pack_blocked_weight(weight)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = kernels.blocked_linear(inputs, packed, offsets, 200)
-        for rows in (1, 2, 5, 6, 7, 13, 16, 17, 36):
+        for rows in (1, 2, 5, 6, 7, 13, 16, 17, 31, 32, 33, 44):
             assert torch.equal(kernels.blocked_linear(inputs[:rows], packed, offsets, 200), together[:rows])
-        for row in (0, 17, 36):
+        for row in (0, 17, 32, 44):
             assert torch.equal(kernels.blocked_linear(inputs[row : row + 1], packed, offsets, 200)[0], together[row])
         shuffled = inputs.clone()
         shuffled[1:] = shuffled[1:].flip(0)

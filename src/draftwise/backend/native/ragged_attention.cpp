@@ -5,7 +5,9 @@
 // one row of a batch, so verification rows are bitwise plain decoding's by construction. Scores are computed key by
 // key (sixteen lanes of multiply-adds over the head dimensions, in dimension order, or for bfloat16 on CPUs with
 // avx512_bf16 pairs of dimensions multiplied and added by vdpbf16ps straight from the cache; then the lanes in a
-// fixed pairwise pattern, for sixteen committed keys at once with the same pattern), the weighted values position
+// fixed pairwise pattern, for sixteen committed keys at once with the same pattern), except for bfloat16 heads of
+// 64 or 128 dimensions there: sixteen keys transposed into one register per dimension pair, each score four
+// partial sums in lanes (see transpose_words), no horizontal sums; the weighted values position
 // by position (for bfloat16 with avx512_bf16, position pair by position pair, weights rounded to bfloat16, by
 // vdpbf16ps: see attend_value_pairs), and the weights' total in sixteen interleaved partial sums added in a fixed
 // pattern; rows are split between threads whole, so the thread count changes nothing either.
@@ -36,6 +38,8 @@ struct Scratch {
     std::vector<float> scores;      // (rows, group, padded positions)
     std::vector<float> totals;      // (rows, group)
     std::vector<uint32_t> weight_pairs;  // (rows, group, padded / 2): bfloat16 weights of position pairs
+    std::vector<float> fresh_scores;     // (rows, group, padded fresh rows): scores against this forward's keys
+    std::vector<const c10::BFloat16*> query_heads;  // (rows, group): each query head's vector
 };
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
@@ -139,6 +143,94 @@ inline void score_keys(const floats16* queries, const floats16 (*keys)[kMaxChunk
             std::memcpy(scores + (r * G + g) * padded + position, &sums, count * sizeof(float));
         }
 }
+
+#if defined(__AVX512BF16__)
+// Scores of bfloat16 heads of 64 or 128 dimensions, sixteen keys per register: the keys' dimension pairs are
+// transposed (word d of every key in one vector) so that one vdpbf16ps with a query's pair d broadcast adds pair d's
+// products to sixteen keys' scores at once, with no horizontal sums. A score is four float32 partial sums (pairs d
+// = 0, 4, 8, ... into the first, 1, 5, 9, ... into the second, and so on), each taken by vdpbf16ps in pair order,
+// then (s0 + s1) + (s2 + s3): each lane's arithmetic depends on its query and key alone (a product of two bfloat16
+// values is exact in float32, so which operand holds the query changes nothing), so a score has the same bits
+// wherever its key sits, committed or this forward's, and whatever is computed beside it. Four sums per score keep
+// sixteen multiply-adds in flight for the three query heads of one row.
+
+// The 16 x 16 transpose of 32-bit words: word k of row r goes to word r of row k.
+inline void transpose_words(__m512i* rows) {
+    __m512i a[16];
+    for (int i = 0; i < 8; ++i) {
+        a[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    // b[4i + e], 128-bit lane L: words 4L + e of rows 4i .. 4i + 3.
+    __m512i b[16];
+    for (int i = 0; i < 4; ++i) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+        const __m512i low = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44), high = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+        const __m512i low2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+        const __m512i high2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+        rows[e] = _mm512_shuffle_i32x4(low, low2, 0x88);
+        rows[4 + e] = _mm512_shuffle_i32x4(low, low2, 0xDD);
+        rows[8 + e] = _mm512_shuffle_i32x4(high, high2, 0x88);
+        rows[12 + e] = _mm512_shuffle_i32x4(high, high2, 0xDD);
+    }
+}
+
+// Sixteen keys' P dimension pairs, transposed: ``out[d]`` holds key k's pair d in word k.
+template <int P>
+inline void transpose_keys(const c10::BFloat16* const* keys, __m512i* out) {
+    for (int h = 0; h < P / 16; ++h) {
+        __m512i rows[16];
+        for (int k = 0; k < 16; ++k) rows[k] = _mm512_loadu_si512(keys[k] + 32 * h);
+        transpose_words(rows);
+        for (int d = 0; d < 16; ++d) out[16 * h + d] = rows[d];
+    }
+}
+
+inline int32_t word_at(const c10::BFloat16* vector, int64_t pair) {
+    int32_t word;
+    std::memcpy(&word, vector + 2 * pair, sizeof(word));
+    return word;
+}
+
+// The scores of Q queries (P dimension pairs each) against sixteen transposed keys, one register each.
+template <int P, int Q>
+inline void score_transposed(const c10::BFloat16* const* queries, const __m512i* keys, __m512* out) {
+    __m512 sums[Q][4];
+    for (int q = 0; q < Q; ++q)
+        for (int j = 0; j < 4; ++j) sums[q][j] = _mm512_setzero_ps();
+    for (int d = 0; d < P; d += 4)
+        for (int j = 0; j < 4; ++j) {
+            const __m512bh key = (__m512bh)keys[d + j];
+            for (int q = 0; q < Q; ++q)
+                sums[q][j] = _mm512_dpbf16_ps(sums[q][j], (__m512bh)_mm512_set1_epi32(word_at(queries[q], d + j)), key);
+        }
+    for (int q = 0; q < Q; ++q)
+        out[q] = _mm512_add_ps(_mm512_add_ps(sums[q][0], sums[q][1]), _mm512_add_ps(sums[q][2], sums[q][3]));
+}
+
+// The scores of ``count`` queries against sixteen transposed keys, the first ``keys`` of them stored at
+// ``scores + query * stride``.
+template <int P>
+inline void score_queries(const c10::BFloat16* const* queries, int64_t count, const __m512i* tile, float* scores,
+                          int64_t stride, int64_t keys) {
+    __m512 out[4];
+    for (int64_t first = 0; first < count; first += 4) {
+        const int64_t group = std::min<int64_t>(4, count - first);
+        switch (group) {
+            case 1: score_transposed<P, 1>(queries + first, tile, out); break;
+            case 2: score_transposed<P, 2>(queries + first, tile, out); break;
+            case 3: score_transposed<P, 3>(queries + first, tile, out); break;
+            default: score_transposed<P, 4>(queries + first, tile, out); break;
+        }
+        for (int64_t q = 0; q < group; ++q) std::memcpy(scores + (first + q) * stride, &out[q], keys * sizeof(float));
+    }
+}
+#endif
 
 // Adds one value, weighted by each row's and query head's weight at ``position``, to their sums.
 template <int G>
@@ -307,6 +399,58 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
     floats16* sums = scratch.sums.data();
 
     floats16 vector[kMaxChunks];
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (C == 4 || C == 8)) {
+        constexpr int P = 8 * C;  // dimension pairs
+        const int64_t count = rows * G;
+        scratch.query_heads.resize(count);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int g = 0; g < G; ++g) scratch.query_heads[r * G + g] = queries[r] + g * dim;
+        const c10::BFloat16* const* heads = scratch.query_heads.data();
+        __m512i tile[P];
+        const scalar_t* key_rows[kLanes];
+        for (int64_t start = 0; start < committed; start += kLanes) {
+            const int64_t keys = std::min<int64_t>(kLanes, committed - start);
+            for (int64_t k = 0; k < kLanes; ++k) key_rows[k] = view.key(start + std::min<int64_t>(k, keys - 1), dim);
+            for (int64_t p = start + kPrefetchAhead; p < std::min(committed, start + kPrefetchAhead + kLanes); ++p)
+                prefetch(view.key(p, dim), dim);
+            transpose_keys<P>(key_rows, tile);
+            score_queries<P>(heads, count, tile, scores + start, padded, keys);
+        }
+        // This forward's keys: those of the rows on any row's path, sixteen at a time, each row scored against
+        // the tiles its path reaches; then each path's scores picked out.
+        int64_t lowest = std::numeric_limits<int64_t>::max(), highest = -1;
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < path_lengths[r]; ++j) {
+                lowest = std::min(lowest, paths[r][j]);
+                highest = std::max(highest, paths[r][j]);
+            }
+        if (highest >= 0) {
+            const int64_t fresh_padded = (highest - lowest + kLanes) / kLanes * kLanes;
+            scratch.fresh_scores.resize(count * fresh_padded);
+            float* fresh = scratch.fresh_scores.data();
+            for (int64_t start = lowest; start <= highest; start += kLanes) {
+                const int64_t keys = std::min<int64_t>(kLanes, highest + 1 - start);
+                for (int64_t k = 0; k < kLanes; ++k)
+                    key_rows[k] = view.fresh_keys + (start + std::min<int64_t>(k, keys - 1)) * view.fresh_key_stride;
+                transpose_keys<P>(key_rows, tile);
+                for (int64_t r = 0; r < rows; ++r) {
+                    bool reaches = false;
+                    for (int64_t j = 0; j < path_lengths[r] && !reaches; ++j)
+                        reaches = paths[r][j] >= start && paths[r][j] < start + kLanes;
+                    if (reaches)
+                        score_queries<P>(heads + r * G, G, tile, fresh + r * G * fresh_padded + (start - lowest),
+                                         fresh_padded, keys);
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r)
+                for (int g = 0; g < G; ++g)
+                    for (int64_t j = 0; j < path_lengths[r]; ++j)
+                        scores[(r * G + g) * padded + committed + j] =
+                            fresh[(r * G + g) * fresh_padded + paths[r][j] - lowest];
+        }
+    } else
+#endif
     if constexpr (kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>) {
         // Keys and queries read in place, sixteen committed keys' lanes summed together.
         floats16 lanes[kLanes];

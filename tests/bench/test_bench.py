@@ -462,6 +462,8 @@ def test_acceptance_divergence_latency_memory():
     assert row["exact_match_vs_ar"] == pytest.approx(1 / 3)
     assert row["first_divergence"] == pytest.approx((1 + 1) / 2)  # question 2 at 1, question 3 (a prefix) at 1
     assert row["time_to_first_token_s"] == pytest.approx(0.4)
+    # After the first token: (0.5 - 0.2) + (0.5 - 0.4) s over 3 + 2 tokens (a one-token run has none).
+    assert row["decode_ms_per_token"] == pytest.approx(1000 * 0.4 / 5)
     assert row["peak_memory_bytes"] == 400
     assert row["mat"] == pytest.approx(8 / 5)
     ar = summarize(records)[OVERALL]["ar"]
@@ -679,6 +681,9 @@ def test_floor_line():
     summary = {OVERALL: {"ar": {"tokens_per_s": 100.0}}}
     assert bench.report.floor_line(summary, env) == (
         "bandwidth floor: 5.0 ms a token (270 MB of weights at 54 GB/s read); ar: 10.0 ms a token, 2.00x the floor")
+    summary[OVERALL]["ar"]["decode_ms_per_token"] = 6.5
+    assert bench.report.floor_line(summary, env).endswith(
+        "2.00x the floor; 6.5 ms a token after the first (prefills left out), 1.30x")
     assert bench.report.floor_line({OVERALL: {"pld": {"tokens_per_s": 1.0}}}, env) is None
     assert bench.report.floor_line(summary, {}) is None
 

@@ -9,6 +9,8 @@
 - ``exact_match_vs_ar``: share of runs whose token ids equal ``ar``'s; ``first_divergence``: the mean index of the
   first differing token over the runs that differ.
 - ``time_to_first_token_s``: median over runs.
+- ``decode_ms_per_token``: milliseconds a token after each run's first one (its prefill left out): the time that the
+  bandwidth floor of :mod:`draftwise.bench.environment` bounds.
 - ``peak_memory_bytes``: the largest per-run peak.
 """
 
@@ -123,6 +125,9 @@ def _row_summary(mine: list[Record], reference: Mapping[tuple[Any, int], list[in
     ]
     first_tokens = [record.time_to_first_token_s for record in mine if record.time_to_first_token_s is not None]
     memory = [record.peak_memory_bytes for record in mine if record.peak_memory_bytes is not None]
+    decoded = [(record.time_s - record.time_to_first_token_s, record.new_tokens - 1) for record in mine
+               if record.time_to_first_token_s is not None and record.new_tokens > 1]
+    decoded_tokens = sum(count for _, count in decoded)
     return {
         "method": mine[0].method,
         "budget": mine[0].budget,
@@ -142,6 +147,7 @@ def _row_summary(mine: list[Record], reference: Mapping[tuple[Any, int], list[in
         "exact_match_vs_ar": matches / len(mine),
         "first_divergence": sum(diverged) / len(diverged) if diverged else None,
         "time_to_first_token_s": statistics.median(first_tokens) if first_tokens else None,
+        "decode_ms_per_token": 1000 * sum(seconds for seconds, _ in decoded) / decoded_tokens if decoded_tokens else None,
         "peak_memory_bytes": max(memory) if memory else None,
     }
 

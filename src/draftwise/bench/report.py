@@ -87,15 +87,20 @@ def summary_tables(summary: Summary) -> list[Table]:
 
 def floor_line(summary: Summary, environment: Mapping[str, Any]) -> str | None:
     """How far plain decoding (``ar``, overall) is from the machine's bandwidth floor (every weight read once a
-    token, see :func:`draftwise.bench.environment.bandwidth_floor`); ``None`` without both."""
+    token, see :func:`draftwise.bench.environment.bandwidth_floor`), with its prompts' prefills and, where the runs
+    timed their first tokens, without them (what the floor bounds); ``None`` without both."""
     floor = environment.get("floor_ms_per_token")
     plain = summary.get(OVERALL, {}).get("ar")
     if not floor or not plain or not plain.get("tokens_per_s"):
         return None
     per_token = 1000 / plain["tokens_per_s"]
-    return (f"bandwidth floor: {floor:.1f} ms a token ({environment['weights_mb']:.0f} MB of weights at "
+    line = (f"bandwidth floor: {floor:.1f} ms a token ({environment['weights_mb']:.0f} MB of weights at "
             f"{environment['read_gb_per_s']:.0f} GB/s read); ar: {per_token:.1f} ms a token, {per_token / floor:.2f}x "
             "the floor")
+    decoding = plain.get("decode_ms_per_token")
+    if decoding:
+        line += f"; {decoding:.1f} ms a token after the first (prefills left out), {decoding / floor:.2f}x"
+    return line
 
 
 # ---------------------------------------------------------------------------------------------------------------

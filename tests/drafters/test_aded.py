@@ -7,12 +7,16 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import repetitive_prompt
 
 import draftwise
 from draftwise.corpus.build import TrigramCounter
+from draftwise.decoding.drafter import StepOutcome
+from draftwise.decoding.tree import DraftTree
+from draftwise.decoding.verify import verify_greedy
 from draftwise.drafters import make_drafter
 from draftwise.drafters.aded import AdedDrafter, SearchTree, probability_bucket, search
 from draftwise.drafters.stores.trigram import TrigramStore, pack_pair
@@ -195,6 +199,39 @@ def test_a_step_without_a_proposal_learns_its_own_pair(tiny_llama):
     result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=2)
     drafter.store.merge()
     assert pack_pair(PROMPT[-1], result.token_ids[0]) in drafter.store.keys.tolist()
+
+
+def test_sources_never_verified_are_left_out_but_probed(tiny_llama):
+    """Where the engine verifies none of the searched or recycled nodes (a large batch keeps a node or two a
+    sequence), the drafter stops computing them after IDLE_PROPOSALS proposals, tries them again every PROBE_EVERY
+    proposals, and drafts them again once one was verified."""
+    drafter = AdedDrafter()
+    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
+    drafter = drafter.fork()  # the learned tables, a fresh sequence
+    context = tuple(PROMPT + result.token_ids[:10])
+    logits = torch.zeros(1, tiny_llama.config.vocab_size)
+
+    def propose() -> tuple[DraftTree, set[str]]:
+        tree = drafter.propose(context, 16)
+        return tree, {AdedDrafter._source(kind) for kind in drafter._kind_of_path.values()}
+
+    def observe(tree: DraftTree) -> None:
+        choices = [0] * (len(tree) + 1)  # (token 0 is never drafted here: nothing accepted)
+        drafter.observe(StepOutcome(tree, verify_greedy(tree, choices), logits.expand(len(tree) + 1, -1), context,
+                                    (0,)))
+
+    for _ in range(AdedDrafter.IDLE_PROPOSALS):
+        tree, sources = propose()
+        assert {"search", "recycled"} <= sources
+        observe(DraftTree())  # nothing verified
+    for _ in range(AdedDrafter.PROBE_EVERY - AdedDrafter.IDLE_PROPOSALS - 1):
+        _, sources = propose()
+        assert not sources & {"search", "recycled"}
+        observe(DraftTree())
+    tree, sources = propose()  # a probe
+    assert {"search", "recycled"} <= sources
+    observe(tree)  # every node verified
+    assert {"search", "recycled"} <= propose()[1]
 
 
 def test_state_round_trip(tiny_llama, tmp_path):

@@ -13,6 +13,7 @@ from tiny import ChatCharTokenizer, repetitive_prompt
 from draftwise import bench
 from draftwise.bench import OVERALL, Record, measure_hf, run_bench, summarize, validate_methods, write_json
 from draftwise.bench import prompts as data
+from draftwise.bench.environment import bandwidth_floor
 from draftwise.bench.prompts import Prompt, load_spec_bench
 from draftwise.bench.report import summary_tables
 from draftwise.errors import InvalidRequestError, UnknownMethodError, UnsupportedOptionError
@@ -500,7 +501,7 @@ def test_record_json_round_trip():
 
 def char_prompts(count, seed=3, turns=1, categories=("x", "y")):
     rng = random.Random(seed)
-    text = lambda: "".join(chr(0x100 + token) for token in repetitive_prompt(rng, low=8, high=16))  # noqa: E731
+    text = lambda: "".join(chr(0x100 + token) for token in repetitive_prompt(rng, low=8, high=16))
     return [Prompt(index, categories[index % len(categories)], "sub", text(),
                    tuple(text() for _ in range(turns - 1))) for index in range(count)]
 
@@ -661,8 +662,12 @@ def test_environment_records_the_machine(tiny_llama):
     if embedding.data_ptr() != network.get_output_embeddings().weight.data_ptr():
         weights -= embedding.numel() * embedding.element_size()  # (a token reads one row of an untied embedding)
     assert env["weights_mb"] == pytest.approx(weights / 1e6)
-    assert env["read_gb_per_s"] > 0
+    assert env["read_gb_per_s"] > 0 and env["read_gb_per_s_probes"] == [env["read_gb_per_s"]]
     assert env["floor_ms_per_token"] == pytest.approx(env["weights_mb"] / env["read_gb_per_s"])
+    # Probed again after a run: the faster reading counts, both are kept.
+    again = bandwidth_floor(tiny_llama, {**env, "read_gb_per_s_probes": [1e6]})
+    assert again["read_gb_per_s"] == 1e6 and len(again["read_gb_per_s_probes"]) == 2
+    assert again["floor_ms_per_token"] == pytest.approx(env["weights_mb"] / 1e6)
 
 
 def test_tied_weights_count_once():

@@ -85,7 +85,7 @@ def results_header(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[st
 
 
 #: Environment entries measured anew at every start (they vary between runs on one machine): not compared on resume.
-MEASURED_ENVIRONMENT = ("read_gb_per_s", "floor_ms_per_token")
+MEASURED_ENVIRONMENT = ("read_gb_per_s", "read_gb_per_s_probes", "floor_ms_per_token")
 
 
 def _header_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

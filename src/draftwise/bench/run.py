@@ -37,7 +37,7 @@ from ..drafters import check_method, make_drafter, parse_method
 from ..errors import InvalidRequestError, UnsupportedOptionError
 from .anchors import ANCHOR_ROWS, LlamaCppRunner, anchor_gguf
 from .batched import BatchRecord, run_batched
-from .environment import PeakMemoryMeter, environment
+from .environment import PeakMemoryMeter, bandwidth_floor, environment
 from .metrics import summarize
 from .prompts import Prompt, load_dataset, take_prompts
 from .results import Measurement, Record, ResultsWriter, results_header, row_label
@@ -586,7 +586,7 @@ class Benchmark:
         if on_start is not None:
             on_start(sum(1 for record in previous if not record.context_only))
         try:
-            return run_bench(
+            records = run_bench(
                 self.model, self.tokenizer, self.prompts, settings.methods, settings.max_new_tokens, on_progress,
                 sampling=settings.sampling, turns=settings.turns, repeats=settings.repeats, budgets=settings.budgets,
                 chat_template=settings.chat_template, draft_model=self.draft_model, previous=previous,
@@ -595,6 +595,9 @@ class Benchmark:
         finally:
             if writer is not None:
                 writer.close()
+        # The bandwidth once more, the faster reading kept (see bandwidth_floor).
+        self.environment.update(bandwidth_floor(self.model, self.environment))
+        return records
 
     def run_batched(
         self, batch_sizes: Sequence[int], on_record: Callable[[BatchRecord], None] | None = None

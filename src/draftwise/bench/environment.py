@@ -134,7 +134,7 @@ def bandwidth_floor(model: Any, earlier: Mapping[str, Any] | None = None) -> dic
 
     With ``earlier`` (this function's result at a run's start), the faster of the two readings counts, and
     ``read_gb_per_s_probes`` lists both: a floor bounds the run, and on some machines the bandwidth moves by half
-    within minutes (one probe read 38 GB/s at a run's start, and decoding then ran 10% under that floor)."""
+    within minutes (one probe read 38 GB/s at a run's start, and decoding then ran faster than that floor)."""
     network = model if hasattr(model, "get_output_embeddings") else model.model  # (a target holds its model)
     weights = weight_bytes(network)
     embedding, head = network.get_input_embeddings(), network.get_output_embeddings()

@@ -52,7 +52,8 @@ def _sampling_options(args: argparse.Namespace) -> dict:
 def _settle_heap() -> None:
     """Move every object alive now (the loaded models, tokenizers and libraries: some 400,000 of them) out of the
     garbage collector's reach. They live as long as the command does, and a full collection walks them all: about
-    0.2 s that would land inside some timed step or request. The command owns its process, so it may."""
+    0.2 s that would land inside some timed step or request. Every command that loads a model calls it once, when
+    everything is loaded; each owns its process, so it may."""
     gc.collect()
     gc.freeze()
 
@@ -67,7 +68,6 @@ def _load(args: argparse.Namespace):
     )
     print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')} on {target.device} "
           f"({target.backend} forward)", file=sys.stderr)
-    _settle_heap()
     return target, tokenizer
 
 
@@ -93,6 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.state is not None:
         restore_state(drafter, args.state)
     model, tokenizer = _load(args)
+    _settle_heap()
     chat = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
     pieces = stream(
         model,
@@ -152,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else None
     benchmark = Benchmark.prepare(settings, load_target=lambda: _load(args))
-    _settle_heap()  # (again: the anchors' models load after the target)
+    _settle_heap()  # (once the anchors' models, loaded after the target, are in too)
     if batch_sizes:
         return _bench_batched(args, benchmark, batch_sizes, console)
     try:
@@ -254,6 +255,7 @@ def _corpus_texts(args: argparse.Namespace):
         raise DraftwiseError("--max-tokens and --max-new-tokens must be positive")
     prompts = check_sources(args.sources, args.self_generate)
     model, tokenizer = _load(args)
+    _settle_heap()
     return tokenizer, corpus_texts(model, tokenizer, args.sources, prompts, args.max_new_tokens)
 
 
@@ -334,6 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1 or args.max_waiting < 1 or args.default_max_tokens < 1:
         raise InvalidRequestError("--max-batch, --max-waiting and --default-max-tokens must be positive")
     target, tokenizer = _load(args)
+    _settle_heap()
     if tokenizer is None:
         raise InvalidRequestError(f"{args.model} has no tokenizer: the server needs one")
     engine = ServingEngine(target, tokenizer, args.method, max_batch=args.max_batch, max_waiting=args.max_waiting,

@@ -35,6 +35,8 @@ class DtypeDiagnosis:
     report: InvarianceReport
     cost_ms: dict[int, float]
     tree_cost_ms: dict[int, float] = field(default_factory=dict)
+    #: Whether the products' weights are in transparent huge pages (lean backend on CPUs).
+    huge_pages: bool = False
 
 
 @dataclass
@@ -90,6 +92,7 @@ def diagnose(
                 report=report,
                 cost_ms={rows: 1000 * seconds for rows, seconds in curves.chain.items()},
                 tree_cost_ms={rows: 1000 * seconds for rows, seconds in curves.tree.items()},
+                huge_pages=getattr(target, "huge_pages", False),
             )
         )
     return diagnosis
@@ -108,7 +111,8 @@ def as_rows(diagnosis: Diagnosis) -> list[dict[str, Any]]:
     for item in diagnosis.dtypes:
         rows.append({
             "dtype": item.dtype,
-            "backend": item.backend + (f" ({item.attention} attention, {item.linear} linear products)"
+            "backend": item.backend + (f" ({item.attention} attention, {item.linear} linear products"
+                                       f"{', weights in huge pages' if item.huge_pages else ''})"
                                        if item.attention else ""),
             "padding (linear/attention rows)": (
                 f"{item.linear_min_rows}/{item.attention_min_rows}" if item.linear_min_rows is not None else "-"

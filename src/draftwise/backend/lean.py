@@ -43,6 +43,7 @@ from .attention import (
 )
 from .cache import check_full_attention
 from .linear import Linear, packing_available
+from .pages import gather_in_huge_pages
 from .rows import RowBlock, is_chain
 from .target import ForwardOutput, Target
 
@@ -198,6 +199,8 @@ class LeanTarget(Target):
             kernels (:mod:`draftwise.backend.native`): ``None`` (default) where it can (on CPUs, where they build;
             the library path otherwise, with a warning), ``True`` to insist (an error where it cannot), ``False``
             for the library path (torch operations; attention by :mod:`draftwise.backend.attention`).
+        huge_pages: keep the products' weights in transparent huge pages where the system gives them (CPUs; see
+            :mod:`draftwise.backend.pages`); :attr:`huge_pages` says whether they are.
     """
 
     backend = "lean"
@@ -209,6 +212,7 @@ class LeanTarget(Target):
         attention_min_rows: int = 1,
         packed: bool | None = None,
         kernel: bool | None = None,
+        huge_pages: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -233,6 +237,8 @@ class LeanTarget(Target):
         self.norm = model.model.norm.weight.detach()
         head = model.get_output_embeddings()
         self.head = self.linear(head.weight, head.bias, linear_min_rows)
+        #: Whether the products' weights are in transparent huge pages.
+        self.huge_pages = huge_pages and self._weights_in_huge_pages()
         inverse = 1.0 / (
             rope_theta(config) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
         )
@@ -246,6 +252,20 @@ class LeanTarget(Target):
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.compiled_layers = self._compiled_layers()
+
+    def _weights_in_huge_pages(self) -> bool:
+        """Move the products' weights into one buffer of transparent huge pages (in the order a forward reads them);
+        False where the system has none, or on GPUs. oneDNN's packed weights stay where oneDNN put them."""
+        if self.device.type != "cpu":
+            return False
+        linears = [linear for linear in (*(linear for layer in self.layers for linear in (
+            layer.qkv, layer.output, layer.gate_up, layer.down)), self.head) if not linear.packed]
+        placed = gather_in_huge_pages([linear.weight for linear in linears])
+        if placed is None:
+            return False
+        for linear, weight in zip(linears, placed):
+            linear.weight = weight
+        return True
 
     def _compiled_kernels(self, wanted: bool | None) -> Any | None:
         """The compiled kernels' module, if used (see the ``kernel`` argument)."""

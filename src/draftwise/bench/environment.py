@@ -124,6 +124,7 @@ def _row_plan(model: Any) -> dict[str, Any] | None:
         "attention_min_rows": model.attention_min_rows,
         "exact_trees": model.exact_trees,
         "attention": model.attention_path,
+        "huge_pages": model.huge_pages,
     }
 
 

@@ -3,7 +3,9 @@
 A one-row forward reads every weight once, in a few hundred short streams (each thread's share of one product). In
 pages of 4 KB a 135M-parameter model in bfloat16 spans 66,000 pages, far more than the translation buffers hold: on
 a two-core AMD EPYC (Zen 5) SmolLM2-135M's 120 layer products took 3.9-4.3 ms for one row from 4 KB pages and
-3.5-3.6 ms from 2 MB pages (a whole one-row forward 5.6-6.3 ms against 5.3-5.6 ms). Linux hands out huge pages to
+3.5-3.6 ms from 2 MB pages (a whole one-row forward 5.6-6.3 ms against 5.3-5.6 ms) while its memory was fast, and
+about as long either way while it was slow (both then wait on the bandwidth). The copy is made beside the packed
+weights, so loading briefly holds them twice. Linux hands out huge pages to
 memory that asks for them (``madvise``) where ``/sys/kernel/mm/transparent_hugepage/enabled`` allows it, which is the
 default; elsewhere the weights stay where they are. The bytes are the same either way: only where they live moves.
 """

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up draftwise in a virtual environment inside this checkout, then run one job:
 #   bash setup.sh demo   installs everything and runs the side-by-side speed demo on the default model
+#                        (a table, results/demo.json and a chart, results/demo.png)
 #   bash setup.sh test   installs everything and runs the test suite
 # Installing is skipped when nothing it depends on has changed since the last run.
 set -euo pipefail
@@ -29,8 +30,10 @@ fi
 case "$job" in
     demo)
         shift || true
-        exec "$venv/bin/draftwise" bench --model smollm2-135m --methods ar,pld,hf,hf-pld \
-            --per-category 2 --max-new-tokens 128 --json results/demo.json "$@"
+        # One overall table (add --by-category for a table per task), results/demo.json with every run, and
+        # results/demo.png: each method's speedup over plain decoding (ar), overall and per task.
+        exec "$venv/bin/draftwise" bench --model smollm2-135m --methods ar,aded,pld,hf,hf-pld \
+            --per-category 2 --max-new-tokens 128 --json results/demo.json --plot results/demo.png "$@"
         ;;
     test)
         shift || true

@@ -24,6 +24,17 @@ def _one_torch_thread(request):
         torch.set_num_threads(previous)
 
 
+@pytest.fixture(params=[
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+])
+def device(request):
+    """Each device the engine's forward runs on: the CPU always, a CUDA device where there is one (marked ``cuda``:
+    ``pytest -m cuda`` runs those alone). On a GPU, :func:`tiny.planned` gives the graphed forward."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_model("llama", seed=0)

@@ -280,7 +280,7 @@ def test_load_model_unknown_dtype(tmp_path):
 def test_load_model_of_a_saved_tiny_checkpoint(tmp_path, tiny_llama):
     """A transformers checkpoint folder loads (no tokenizer -> None) on either backend (the transformers one with
     the CPU linear layers), and decodes exactly like the model it was saved from."""
-    from draftwise.backend.kernels import RowEfficientLinear
+    from draftwise.backend.transformers_patches import RowEfficientLinear
 
     tiny_llama.save_pretrained(tmp_path / "ckpt")
     expected = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT * 3, method="ar", max_new_tokens=16).token_ids

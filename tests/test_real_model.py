@@ -113,7 +113,7 @@ def test_batch_of_8_gives_every_prompt_its_batch_1_ids(smollm_in, method):
 def test_verification_rows_are_bitwise_plain_decoding(smollm_in):
     """On the real model: random trees around the true continuation at many cache lengths, every row on the true
     path equal to plain one-row decoding with torch.equal on the whole logit row."""
-    from draftwise.backend.invariance import check_trees
+    from draftwise.backend.calibration.invariance import check_trees
 
     target, _ = smollm_in
     assert target.backend == "lean" and target.exact_trees

@@ -16,6 +16,11 @@ from .bench.prompts import DATASETS
 from .errors import DraftwiseError, InvalidRequestError
 from .models import DEFAULT_MODEL, PRESETS, default_cache_dir, install_preset, is_installed
 
+#: The rows of ``draftwise bench`` when no --methods are given.
+DEFAULT_BENCH_METHODS = "ar,pld,hf,hf-pld"
+#: Rounds of ``draftwise bench --interleave`` (each configuration first in half of them).
+DEFAULT_ROUNDS = 6
+
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"preset, GGUF file or checkpoint folder (default {DEFAULT_MODEL})")
@@ -124,10 +129,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .api import sampling_params
     from .bench import Benchmark, BenchSettings, parse_methods, parse_sweep, write_json
     from .bench.batched import parse_batch_sizes
-    from .bench.report import floor_line, summary_tables
+    from .bench.interleave import parse_interleave
+    from .bench.report import floor_line, summary_tables, write_speedup_chart
 
+    pair = parse_interleave(args.interleave) if args.interleave else None
+    _check_bench_modes(args)
+    if pair is not None:
+        methods = [row.method for row in pair]
+    else:
+        methods = parse_methods(args.methods or DEFAULT_BENCH_METHODS)
+        methods += [spec for text in args.method or [] for spec in parse_methods(text)]
     settings = BenchSettings(
-        methods=parse_methods(args.methods) + [spec for text in args.method or [] for spec in parse_methods(text)],
+        methods=methods,
         model=args.model,
         draft_model=args.draft_model,
         dtype=args.dtype,
@@ -156,6 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _settle_heap()  # (once the anchors' models, loaded after the target, are in too)
     if batch_sizes:
         return _bench_batched(args, benchmark, batch_sizes, console)
+    if pair is not None:
+        return _bench_interleaved(args, benchmark, pair, console)
     try:
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -173,15 +188,87 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise
     summary = benchmark.summary(records)
     output = Console() if sys.stdout.isatty() else Console(width=200)  # a file or pipe needs no wrapping
-    for table in summary_tables(summary):
+    for table in summary_tables(summary, by_category=args.by_category):
         output.print(table)
     floor = floor_line(summary, benchmark.environment)
     if floor:
         output.print(floor)
+    if not args.by_category and len(summary) > 2:  # (categories besides overall: more than one)
+        console.print("a table per category: add --by-category")
     if args.out:
         console.print(f"runs saved in {args.out} (draftwise report {args.out} --out DIR for a report with charts)")
     if args.json:
         write_json(args.json, summary, records, benchmark.environment, {**benchmark.config, "prompts": len(benchmark.prompts)})
+        console.print(f"results written to {args.json}")
+    if args.plot:
+        chart = write_speedup_chart(summary, args.plot)
+        console.print(f"speedup chart written to {chart}" if chart else
+                      "no chart: no row besides ar to compare with it")
+    return 0
+
+
+def _check_bench_modes(args: argparse.Namespace) -> None:
+    """Refuse options of ``draftwise bench`` that its mode (--interleave, --batch-size or the side-by-side table)
+    does not use, before anything slow starts."""
+    if args.interleave:
+        others = {
+            "--methods": args.methods is not None, "--method": bool(args.method), "--batch-size": bool(args.batch_size),
+            "--sweep": bool(args.sweep), "--turns": args.turns != "1", "--repeats": args.repeats != 1,
+            "--out": bool(args.out), "--resume": args.resume, "--plot": bool(args.plot),
+            "--by-category": args.by_category,
+        }
+        given = [name for name, present in others.items() if present]
+        if given:
+            raise InvalidRequestError(f"--interleave names its two configurations and runs first turns once a round: "
+                                      f"drop {', '.join(given)}")
+        if args.rounds is None:
+            args.rounds = DEFAULT_ROUNDS
+        if args.rounds < 1:
+            raise InvalidRequestError("--rounds must be at least 1")
+    elif args.rounds is not None:
+        raise InvalidRequestError("--rounds goes with --interleave")
+    if args.batch_size and (args.plot or args.by_category):
+        raise InvalidRequestError("--plot and --by-category go with the side-by-side table, not --batch-size")
+
+
+def _bench_interleaved(args: argparse.Namespace, benchmark, pair, console) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .bench.interleave import write_interleave_json
+    from .bench.report import interleave_line, interleave_table
+
+    prompts = len(benchmark.prompts)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        task = progress.add_task("warming up", total=2 * prompts * args.rounds)
+        round_number = [1]
+
+        def on_progress(side, prompt, rate) -> None:
+            description = f"round {round_number[0]} {side} q{prompt.question_id} {rate:6.1f} tok/s"
+            progress.update(task, advance=1, description=description)
+
+        def on_round(finished) -> None:
+            round_number[0] = finished.number + 1
+            same = "" if finished.identical_ids is None else f", same ids {finished.identical_ids}/{prompts}"
+            rates = f"A {finished.tokens_per_s('A'):.1f}, B {finished.tokens_per_s('B'):.1f} tok/s"
+            progress.console.print(f"round {finished.number} ({finished.first} first): {rates}, "
+                                   f"B/A {finished.ratio:.3f}x{same}")
+
+        result = benchmark.run_interleaved(pair, args.rounds, on_progress, on_round)
+    summary = result.summary()
+    rounds = [round_.summary() for round_ in result.rounds]
+    output = Console() if sys.stdout.isatty() else Console(width=200)
+    output.print(interleave_table(rounds, summary, benchmark.settings.max_new_tokens))
+    output.print(interleave_line(summary))
+    if summary["identical_ids"] is not None and summary["identical_ids"] < summary["compared_runs"]:
+        console.print(f"warning: A and B gave different ids in {summary['compared_runs'] - summary['identical_ids']} "
+                      f"of {summary['compared_runs']} runs (lossless methods give identical ids when greedy)")
+    if args.json:
+        settings = {**benchmark.config, "prompts": prompts, "interleave": [pair[0].label, pair[1].label],
+                    "rounds": args.rounds}
+        write_interleave_json(args.json, result, benchmark.environment, settings)
         console.print(f"results written to {args.json}")
     return 0
 
@@ -410,9 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=cmd_generate)
 
     bench = commands.add_parser("bench", help="methods side by side with transformers' generate")
-    bench.add_argument("--methods", default="ar,pld,hf,hf-pld",
-                       help="methods separated by ',' or ';' (ar, pld, recycling..., hf, hf-pld, hf-assisted); a "
-                            "spec's own options continue it: ar,pld:max_ngram=4,draft_length=6,recycling")
+    bench.add_argument("--methods", default=None,
+                       help="methods separated by ',' or ';' (ar, pld, aded, recycling..., hf, hf-pld, hf-assisted); "
+                            "a spec's own options continue it: ar,pld:max_ngram=4,draft_length=6,recycling "
+                            f"(default {DEFAULT_BENCH_METHODS})")
     bench.add_argument("--method", action="append", default=None, help="one more method spec (repeatable)")
     bench.add_argument("--dataset", default="spec_bench", choices=DATASETS)
     bench.add_argument("--data", default=None, help="jsonl prompt file: one {\"prompt\": ...}, {\"messages\": [...]} or "
@@ -437,6 +525,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="append each run to this jsonl results file as it finishes")
     bench.add_argument("--resume", action="store_true", help="continue the --out file of an interrupted run")
     bench.add_argument("--json", default=None, help="write the summary and every record as JSON here")
+    bench.add_argument("--by-category", action="store_true",
+                       help="a table per category besides the overall one")
+    bench.add_argument("--plot", default=None, metavar="PNG",
+                       help="draw each row's speedup over ar, overall and per category, into this PNG file")
+    bench.add_argument("--interleave", default=None, metavar="A;B",
+                       help="A/B comparison instead, in one process: each of --rounds rounds runs every prompt under "
+                       "A and under B (alternating which goes first) and reports B/A's median over the rounds with "
+                       "its spread. A and B are method specs, optionally at a draft budget: \"ar;aded\", "
+                       "\"pld@8;pld@16\", \"aded;aded:max_depth=4\"; \"aded;aded\" measures the machine's noise. "
+                       "A dtype, backend or source tree needs a process of its own: alternate short runs of the two "
+                       "(A, B, A, B...) and compare medians, or each tree's interleaved ratio over ar")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help=f"rounds of --interleave (default {DEFAULT_ROUNDS})")
     bench.add_argument("--batch-size", default=None, metavar="N[,N...]",
                        help="batched run instead: all prompts submitted at once, decoded N at a time (aggregate "
                        "tokens/s, per-request latency, exact match vs batch size 1, which always runs)")

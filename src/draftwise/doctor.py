@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .backend.costs import cost_curves
-from .backend.invariance import InvarianceReport, check_trees, plan_rows
-from .backend.machine import MeasurementStore, auto_dtype, cpu_flags, cpu_model, native_bf16, resolve_dtype
+from .backend.calibration.costs import cost_curves
+from .backend.calibration.invariance import InvarianceReport, check_trees, plan_rows
+from .backend.calibration.machine import MeasurementStore, auto_dtype, cpu_flags, cpu_model, native_bf16, resolve_dtype
 from .models import DEFAULT_MODEL, load_model
 
 

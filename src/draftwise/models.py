@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from .backend.costs import cost_curves
-from .backend.graphed import lean_target
-from .backend.invariance import plan_rows
-from .backend.kernels import use_grouped_query_sdpa, use_row_efficient_linear
-from .backend.lean import unsupported_reason
-from .backend.machine import MeasurementStore, cache_root, resolve_dtype
+from .backend.calibration.costs import cost_curves
+from .backend.forward.graphed import lean_target
+from .backend.calibration.invariance import plan_rows
+from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
+from .backend.forward.lean import unsupported_reason
+from .backend.calibration.machine import MeasurementStore, cache_root, resolve_dtype
 from .backend.target import Target, TransformersTarget
 from .errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
 
@@ -297,10 +297,10 @@ def make_target(
         backend: ``"lean"`` (the engine's own forward: llama and qwen2 families), ``"transformers"`` (the model's
             public forward: any family with full attention) or ``"auto"`` (lean where it can run the model).
         fast_linear: for the transformers backend on CPU, swap in few-row kernels
-            (:class:`~draftwise.backend.kernels.RowEfficientLinear`, grouped-query attention without head copies).
+            (:class:`~draftwise.backend.transformers_patches.RowEfficientLinear`, grouped-query attention without head copies).
         calibrate: measure on this machine (or recall) the padding that makes verification rows exact
-            (:func:`~draftwise.backend.invariance.plan_rows`) and the forward's cost by row count
-            (:func:`~draftwise.backend.costs.cost_curves`); a few seconds the first time, kept per machine.
+            (:func:`~draftwise.backend.calibration.invariance.plan_rows`) and the forward's cost by row count
+            (:func:`~draftwise.backend.calibration.costs.cost_curves`); a few seconds the first time, kept per machine.
         cache_dir: where those measurements are kept (default ``~/.cache/draftwise/machine``).
     """
     if backend not in BACKENDS:

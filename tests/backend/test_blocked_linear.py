@@ -9,8 +9,8 @@ import torch
 from tiny import make_tiny_model
 
 from draftwise.backend import native
-from draftwise.backend.lean import LeanTarget
-from draftwise.backend.linear import Linear, blocked_available
+from draftwise.backend.forward.lean import LeanTarget
+from draftwise.backend.weights.products import Linear, blocked_available
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.blocked_linear_dtypes(),

@@ -1,7 +1,7 @@
 """The fixed-shape lean forward (GPUs' path): logits against transformers, every verification row bitwise plain
 decoding (trees of more than one step, deep paths, chains longer than a step, batches), the cache's slots reused,
 clear errors past its limits. On CPUs its steps run eagerly (the same operations a CUDA graph replays); with a CUDA
-device the same tests run there too, through the graphs."""
+device the tests taking the ``device`` fixture run there too, through the graphs."""
 
 from __future__ import annotations
 
@@ -10,16 +10,15 @@ import random
 
 import pytest
 import torch
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import drafter_for, make_tiny_model, repetitive_prompt
 
-import draftwise
-from draftwise.backend.graphed import STEP_ROWS, TREE_DEPTH, GraphedLeanTarget, lean_target
-from draftwise.backend.invariance import check_trees, plan_rows
-from draftwise.backend.lean import LayerSkip, LeanTarget
-from draftwise.backend.machine import MeasurementStore
+from draftwise.backend.forward.graphed import STEP_ROWS, TREE_DEPTH, GraphedLeanTarget, lean_target
+from draftwise.backend.calibration.invariance import check_trees, plan_rows
+from draftwise.backend.forward.lean import LayerSkip, LeanTarget
+from draftwise.backend.calibration.machine import MeasurementStore
 from draftwise.backend.rows import RowBlock
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
@@ -60,7 +59,6 @@ def plain_rows(target, prompt: list[int], block: RowBlock) -> list[torch.Tensor]
     return rows
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_logits_match_transformers(kind, dtype, device):
@@ -79,7 +77,6 @@ def test_logits_match_transformers(kind, dtype, device):
     torch.testing.assert_close(logits, reference[len(prompt):], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verification_rows_are_bitwise_plain_decoding(dtype, device):
     target = graphed("qwen2", dtype, device)
@@ -87,7 +84,6 @@ def test_verification_rows_are_bitwise_plain_decoding(dtype, device):
     assert report.exact, report.mismatches[:3]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows, depth, length", [(100, 9, 40), (70, TREE_DEPTH, 61), (STEP_ROWS + 1, 2, 127)])
 def test_trees_over_several_steps_and_deep_paths_are_bitwise_plain(rows, depth, length, device):
     target = graphed("llama", torch.bfloat16, device, seed=2)
@@ -101,7 +97,6 @@ def test_trees_over_several_steps_and_deep_paths_are_bitwise_plain(rows, depth, 
         assert torch.equal(tree[row], plain), row
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_a_batch_gives_each_sequence_its_rows_alone(device):
     target = graphed("llama", torch.bfloat16, device, seed=4)
     rng = random.Random(4)
@@ -118,21 +113,16 @@ def test_a_batch_gives_each_sequence_its_rows_alone(device):
         assert torch.equal(target.forward([cache], [block]).logits[0], rows)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["pld", "aded", "lookahead", "layerskip", "draft"])
 def test_methods_alone_and_batched_give_ar_ids(method, device, tmp_path):
     target = graphed("qwen2", torch.float32, device, seed=1)
     plan_rows(target, MeasurementStore(tmp_path))
     rng = random.Random(7)
     batch = [repetitive_prompt(rng, low=5, high=90) for _ in range(3)]
-    ar = [draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-          for prompt in batch]
+    ar = ar_token_ids(target, None, batch, max_new_tokens=40)
     drafter = drafter_for(method, target)
-    alone = [draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40).token_ids
-             for prompt in batch]
-    assert alone == ar
-    batched = draftwise.generate(target, None, prompt_ids=batch, method=drafter, max_new_tokens=40, max_batch=3)
-    assert [result.token_ids for result in batched] == ar
+    assert_same_ids_as_ar(target, None, batch, drafter, max_new_tokens=40, expected=ar)
+    assert_same_ids_as_ar(target, None, batch, drafter, max_new_tokens=40, expected=ar, max_batch=3)
 
 
 def test_the_plan_is_fixed_and_checked(tmp_path):

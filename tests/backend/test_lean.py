@@ -8,21 +8,26 @@ import warnings
 
 import pytest
 import torch
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import drafter_for, make_tiny_model, planned, prefilled_caches, repetitive_prompt
 
 import draftwise
-from draftwise.backend import invariance
-from draftwise.backend.costs import cost_curves
-from draftwise.backend.invariance import InvarianceReport, check_trees, plan_rows
-from draftwise.backend.lean import BLOCK, PROMPT_RUN, LeanTarget, _bucket_members, unsupported_reason
-from draftwise.backend.machine import MeasurementStore, auto_dtype, resolve_dtype
+from draftwise.backend.calibration import invariance
+from draftwise.backend.calibration.costs import cost_curves
+from draftwise.backend.calibration.invariance import InvarianceReport, check_trees, plan_rows
+from draftwise.backend.forward.lean import BLOCK, PROMPT_RUN, LeanTarget, _bucket_members, unsupported_reason
+from draftwise.backend.calibration.machine import MeasurementStore, auto_dtype, resolve_dtype
 from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
 from draftwise.errors import UnsupportedModelError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-#: Agreement with transformers' own forward, by dtype (the two compute the same formulas in different orders).
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+#: Agreement with transformers' own forward, by device and dtype (the two compute the same formulas in different
+#: orders; GPUs' float32 products round their inputs to TF32 or sum in other orders).
+TOLERANCE = {
+    "cpu": {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05},
+    "cuda": {torch.float32: 5e-3, torch.bfloat16: 0.25, torch.float16: 0.05},
+}
 
 
 def model_in(kind: str, dtype: torch.dtype, **overrides):
@@ -31,26 +36,29 @@ def model_in(kind: str, dtype: torch.dtype, **overrides):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_logits_match_transformers(kind, dtype, tmp_path):
-    model = model_in(kind, dtype)
+def test_logits_match_transformers(kind, dtype, device, tmp_path):
+    """The engine's forward for the device (the lean forward on CPUs, its graphed form on GPUs): the prompt's last
+    logits and those of a tree's rows on the true path agree with transformers' forward."""
+    model = model_in(kind, dtype).to(device)
     target = planned(model, tmp_path)
+    tolerance = TOLERANCE[device][dtype]
     rng = random.Random(1)
     prompt = repetitive_prompt(rng, low=70, high=90)
     continuation = [rng.randrange(model.config.vocab_size) for _ in range(12)]
     with torch.inference_mode():
-        reference = model(torch.tensor([prompt + continuation])).logits[0].float()
+        reference = model(torch.tensor([prompt + continuation], device=device)).logits[0].float()
         cache = target.new_cache(128)
         first = target.prefill([cache], [prompt]).logits[0][-1].float()
-        torch.testing.assert_close(first, reference[len(prompt) - 1], atol=TOLERANCE[dtype], rtol=0)
+        torch.testing.assert_close(first, reference[len(prompt) - 1], atol=tolerance, rtol=0)
         # The continuation as a tree below its first token, two branches (the true one last): each row on the true
         # path equals the reference row at its position.
         tree = DraftTree.from_paths([[continuation[1], 5, 6], continuation[1:5]])
         logits = target.forward([cache], [tree.rows(continuation[0])]).logits[0].float()
-        torch.testing.assert_close(logits[0], reference[len(prompt)], atol=TOLERANCE[dtype], rtol=0)
+        torch.testing.assert_close(logits[0], reference[len(prompt)], atol=tolerance, rtol=0)
         node = -1
         for depth, token in enumerate(continuation[1:5], 1):
             node = tree.child(node, token)
-            torch.testing.assert_close(logits[node + 1], reference[len(prompt) + depth], atol=TOLERANCE[dtype], rtol=0)
+            torch.testing.assert_close(logits[node + 1], reference[len(prompt) + depth], atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("kernel", [None, False], ids=["kernel", "library"])
@@ -68,8 +76,8 @@ def test_prefill_of_any_length_matches_transformers(length, dtype, kernel, tmp_p
         cache = target.new_cache(4)
         last = target.prefill([cache], [tokens[:-1]]).logits[0][-1].float()
         following = target.forward([cache], [RowBlock.chain([tokens[-1]])]).logits[0][0].float()
-    torch.testing.assert_close(last, reference[length - 1], atol=TOLERANCE[dtype], rtol=0)
-    torch.testing.assert_close(following, reference[length], atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(last, reference[length - 1], atol=TOLERANCE["cpu"][dtype], rtol=0)
+    torch.testing.assert_close(following, reference[length], atol=TOLERANCE["cpu"][dtype], rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -88,11 +96,14 @@ def test_greedy_ids_equal_transformers_generate(kind, tmp_path):
 @pytest.mark.parametrize("kernel", [None, False], ids=["kernel", "library"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_verification_rows_are_bitwise_plain_decoding(kind, dtype, kernel, tmp_path):
+def test_verification_rows_are_bitwise_plain_decoding(kind, dtype, kernel, device, tmp_path):
     """The measured plan makes every row of random trees (ancestors among siblings, cache lengths across block
-    boundaries) equal, with torch.equal on whole logit rows, to plain one-row decoding, on either attention path."""
-    target = planned(model_in(kind, dtype), tmp_path, kernel=kernel)
-    assert target.exact_trees
+    boundaries) equal, with torch.equal on whole logit rows, to plain one-row decoding, on either attention path of
+    CPUs and on GPUs' graphed forward; and it finds the padding that makes them so (drafting stays on)."""
+    if device == "cuda" and kernel is False:
+        pytest.skip("the graphed forward of GPUs has one attention path")
+    target = planned(model_in(kind, dtype).to(device), tmp_path, kernel=kernel)
+    assert target.exact_trees, "the row plan found no exact padding: drafting is off"
     report = check_trees(target, trials=25, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7, seed=3)
     assert report.exact, report.mismatches[:3]
 
@@ -215,7 +226,7 @@ def test_unsupported_models_are_refused_or_run_by_transformers(tmp_path):
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
-    from draftwise.backend import machine
+    from draftwise.backend.calibration import machine
 
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert auto_dtype("cpu") == torch.bfloat16
@@ -228,19 +239,22 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", sorted(set(draftwise.METHODS) - {"ar"}))
-def test_every_method_matches_ar_on_the_lean_forward(method, dtype, tmp_path):
-    model = model_in("qwen2", dtype)
-    target = planned(model, tmp_path)
+def test_every_method_matches_ar_on_the_lean_forward(method, dtype, device, tmp_path):
+    """Every method, one drafter across the prompts, gives plain greedy decoding's ids on the engine's forward for
+    the device, with drafts accepted; on GPUs batched too (on CPUs, test_batch checks every method's batched ids
+    against its batch-1 ids)."""
+    target = planned(model_in("qwen2", dtype).to(device), tmp_path)
     drafter = drafter_for(method, target)
     rng = random.Random(7)
-    for _ in range(3):
-        prompt = repetitive_prompt(rng, low=20, high=60)
-        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-        assert draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40).token_ids == expected
+    prompts = [repetitive_prompt(rng, low=20, high=60) for _ in range(3)]
+    expected = ar_token_ids(target, None, prompts, max_new_tokens=40)
+    assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=40, expected=expected)
+    if device != "cpu":
+        assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=40, expected=expected, max_batch=2)
 
 
 def test_row_groups():
-    from draftwise.backend.lean import row_groups
+    from draftwise.backend.forward.lean import row_groups
 
     assert row_groups([3, 3, 3], 6) == [[0, 1], [2]]
     assert row_groups([10, 2, 2], 6) == [[0], [1, 2]]
@@ -251,7 +265,7 @@ def test_row_groups():
 def test_a_batch_over_the_row_limit_runs_as_several_forwards(dtype, tmp_path, monkeypatch):
     """More rows than one product may stack: the sequences run in groups, each sequence's logits bitwise those of
     its forward alone."""
-    from draftwise.backend import lean
+    from draftwise.backend.forward import lean
 
     monkeypatch.setattr(lean, "MAX_FORWARD_ROWS", 40)
     target = planned(model_in("qwen2", dtype), tmp_path)
@@ -268,19 +282,19 @@ def test_a_batch_over_the_row_limit_runs_as_several_forwards(dtype, tmp_path, mo
     assert all(torch.equal(a, b) for a, b in zip(together.logits, alone))
 
 
-def test_fixed_row_plans_and_separate_attention_stay_exact(tmp_path):
-    """The GPU plan's pieces, checked on the CPU: linear products run in fixed 8-row chunks and every sequence's
-    attention on its own still give every verification row plain decoding's bits, alone and batched."""
-    target = planned(model_in("qwen2", torch.float32), tmp_path, kernel=False)
-    target.set_row_plan(8, target.attention_min_rows, linear_fixed=True)
-    assert not target.joint_attention and target.head.fixed_rows
+def test_fixed_row_products_stay_exact(tmp_path):
+    """The CUDA forward's fixed step shape, checked on the CPU: linear products run in fixed 8-row chunks still give
+    every verification row plain decoding's bits, alone and batched; such a target has no row plan to set."""
+    target = LeanTarget(model_in("qwen2", torch.float32), 8, 8, kernel=False, linear_fixed=True)
+    plan = plan_rows(target, MeasurementStore(tmp_path))
+    assert plan.linear_fixed and target.fixed_row_plan and all(product.fixed_rows for product in target.products)
+    with pytest.raises(ValueError, match="fixed row count"):
+        target.set_row_plan(1, 1)
     report = check_trees(target, trials=12, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7, seed=5)
     assert report.exact, report.mismatches[:3]
     rng = random.Random(9)
     prompts = [repetitive_prompt(rng, low=5, high=50) for _ in range(5)]
-    alone = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=25).token_ids for p in prompts]
-    batched = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=25, max_batch=5)
-    assert [result.token_ids for result in batched] == alone
+    assert_same_ids_as_ar(target, None, prompts, "pld", max_new_tokens=25, max_batch=5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -288,7 +302,7 @@ def test_fixed_row_plans_and_separate_attention_stay_exact(tmp_path):
 def test_lone_row_attention_is_block_attention_bitwise(dtype, min_rows):
     """Plain decoding's attention paths (one sequence's lone row; lone rows of sequences of ragged lengths in one set
     of products) give exactly block_attention's bits, at lengths on and around block boundaries."""
-    from draftwise.backend.attention import (
+    from draftwise.backend.forward.attention import (
         block_attention,
         rows_attention,
         rows_layout,
@@ -317,7 +331,7 @@ def test_lone_row_attention_is_block_attention_bitwise(dtype, min_rows):
 def _invariant_attention_rows(dtype: torch.dtype, head_dim: int, at_least: int) -> int:
     """The row count this machine's attention products of these shapes are invariant from (as a row plan measures
     it), at least ``at_least``."""
-    from draftwise.backend.invariance import min_invariant_rows
+    from draftwise.backend.calibration.invariance import min_invariant_rows
 
     generator = torch.Generator().manual_seed(0)
     queries, keys = torch.randn(3, 200, head_dim, generator=generator), torch.randn(3, head_dim, BLOCK, generator=generator)
@@ -333,7 +347,7 @@ def _invariant_attention_rows(dtype: torch.dtype, head_dim: int, at_least: int) 
 def test_chains_of_several_sequences_in_one_set_of_products_are_block_attention_bitwise(dtype, min_rows):
     """Several sequences' chains of different lengths (lone rows among them), at ragged lengths on and around block
     boundaries, in one set of products (and each sequence alone in it): every row exactly block_attention's bits."""
-    from draftwise.backend.attention import block_attention, rows_attention, rows_layout, tail_layout
+    from draftwise.backend.forward.attention import block_attention, rows_attention, rows_layout, tail_layout
     from draftwise.backend.rows import RowBlock
 
     generator = torch.Generator().manual_seed(1)

@@ -1,24 +1,34 @@
-"""The compiled attention kernel: agreement with exact attention, every row bitwise its result alone (whatever else
-shares the call, and at any thread count), batches of trees on the lean forward, and its layout."""
+"""The compiled kernels: the attention kernel's agreement with exact attention, every row bitwise its result alone
+(whatever else shares the call, and at any thread count), batches of trees on the lean forward, its layout; the
+sources building for CPUs with other vector units (x86 without AVX, with AVX2, with AVX-512, aarch64); and a failed
+build leaving the lean forward on its library path."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
 import random
+import shutil
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import make_tiny_model, planned, prefilled_caches, repetitive_prompt
 
-import draftwise
 from draftwise.backend import native
-from draftwise.backend.attention import ragged_layout
-from draftwise.backend.lean import BLOCK, LeanTarget
+from draftwise.backend.forward.attention import ragged_layout
+from draftwise.backend.forward.lean import BLOCK, LeanTarget
 from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
 from draftwise.errors import UnsupportedModelError
 
-pytestmark = pytest.mark.skipif(native.load_kernels(warn=False) is None,
-                                reason=f"the kernels cannot be built here: {native.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(native.load_kernels(warn=False) is None,
+                                   reason=f"the kernels cannot be built here: {native.unavailable_reason()}")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: Agreement with attention in float64, by dtype (the output is rounded to the dtype).
@@ -77,6 +87,7 @@ WIDE_TREE = (-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 9, 10, 11, 12, 13, 14, 1
              26, 26, 28, 29, 30, 32, 33)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "group"), [(8, 2), (64, 3), (128, 1), (80, 4)])
 def test_kernel_matches_exact_attention(dtype, head_dim, group):
@@ -89,6 +100,7 @@ def test_kernel_matches_exact_attention(dtype, head_dim, group):
     torch.testing.assert_close(output.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 2), (80, 2)])
 def test_every_row_is_bitwise_its_result_alone(dtype, head_dim, group):
@@ -131,6 +143,7 @@ def test_ragged_layout():
     assert layout.path_rows.tolist() == [0, 0, 1, 0, 2, 0, 2, 3, 4]
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
     """On the kernel a batch verifies whole trees (not only their best paths): every sequence's logits are bitwise
@@ -150,12 +163,10 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
         alone = [target.forward([cache], [block]).logits[0]
                  for cache, block in zip(prefilled_caches(target, prompts, 128), blocks)]
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
-    expected = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=30).token_ids
-                for p in prompts]
-    batched = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=30, max_batch=5)
-    assert [result.token_ids for result in batched] == expected
+    assert_same_ids_as_ar(target, None, prompts, "pld", max_new_tokens=30, max_batch=5)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, kind, tmp_path):
@@ -190,6 +201,7 @@ def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, kind, tmp_path):
             assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(fast_caches, slow_caches))
 
 
+@needs_kernels
 def test_kernel_choice_is_explicit():
     model = make_tiny_model("llama", seed=0)
     assert LeanTarget(model, kernel=False).attention_path == "library"
@@ -198,3 +210,110 @@ def test_kernel_choice_is_explicit():
     with pytest.raises(UnsupportedModelError, match="query heads per key/value head"):
         LeanTarget(wide, kernel=True)
     assert LeanTarget(wide).attention_path == "library"
+
+
+# ---------------------------------------------------------------------------------------------- a failed build
+
+
+@contextlib.contextmanager
+def failing_kernel_build(reason: str) -> Iterator[None]:
+    """The kernels' build failing with ``reason``, as it does on a machine without a compiler: torch's builder
+    raises, the loader's remembered outcome and its warn-once state are cleared first. On leaving, all of it is
+    restored and the remembered outcome cleared again, so the next use loads the real build (from its build folder)."""
+    import torch.utils.cpp_extension
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"Error building extension 'draftwise_native':\n{reason}")
+
+    native._load.cache_clear()
+    native.build_key.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.utils.cpp_extension, "load", fail)
+            patch.setattr(native, "_warned", [])
+            yield
+    finally:
+        native._load.cache_clear()
+        native.build_key.cache_clear()
+
+
+def test_a_failed_build_warns_once_and_the_lean_forward_keeps_the_library_path(tmp_path):
+    model = make_tiny_model("llama", seed=0)
+    prompts = [repetitive_prompt(random.Random(seed), low=20, high=40) for seed in (8, 9)]
+    usable_before = native.load_kernels(warn=False) is not None
+    before = ar_token_ids(planned(model, tmp_path / "before"), None, prompts, max_new_tokens=30)
+
+    with failing_kernel_build("simulated: no C++ compiler on this machine"):
+        with pytest.warns(RuntimeWarning, match="could not be built .*simulated: no C\\+\\+ compiler"):
+            target = planned(model, tmp_path / "after")
+        assert target.attention_path == "library" and target.compiled_layers is None
+        assert "simulated: no C++ compiler" in native.unavailable_reason()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once: a second target says nothing
+            assert LeanTarget(model).attention_path == "library"
+        assert ar_token_ids(target, None, prompts, max_new_tokens=30) == before
+        assert_same_ids_as_ar(target, None, prompts, "pld", max_new_tokens=30, expected=before)
+        with pytest.raises(UnsupportedModelError, match="simulated: no C\\+\\+ compiler"):
+            LeanTarget(model, kernel=True)
+
+    # The real build is back for every later test.
+    assert (native.load_kernels(warn=False) is not None) == usable_before
+    if usable_before:
+        assert LeanTarget(model).attention_path == "kernel"
+
+
+# ---------------------------------------------------------------------------------------------- other CPUs
+
+#: The compiler flags of the build (native.CFLAGS) that hold for every CPU; -O0: the checks need no optimisation.
+PORTABLE_FLAGS = [flag for flag in native.CFLAGS if not flag.startswith(("-march=", "-O"))] + ["-O0", "-std=c++20"]
+
+
+def vector_sources() -> list[Path]:
+    """The sources with vector code (GCC vector extensions and x86 intrinsics behind the macros of their vector
+    units): the ones whose build depends on the CPU."""
+    return [path for path in native.SOURCES
+            if any(marker in path.read_text() for marker in ('"vectors.h"', "<immintrin.h>"))]
+
+
+def cpu_builds() -> list[tuple[str, list[str]]]:
+    """Compilations standing for CPUs other than this one, as (name, command without the source).
+
+    On x86-64 with g++: the baseline without AVX and AVX2 with FMA compiled to assembly (discarded), since an
+    intrinsic of a vector unit the target lacks is refused only when code is generated, not by a syntax check; the
+    AVX-512 paths (bfloat16 products included), which no intrinsic can outrun, checked for syntax. With an aarch64
+    cross compiler: aarch64 checked for syntax (x86 intrinsics are undeclared there)."""
+    builds = []
+    if platform.machine() in ("x86_64", "AMD64") and shutil.which("g++"):
+        builds += [("x86-64", ["g++", "-march=x86-64", "-S", "-o", os.devnull]),
+                   ("x86-64-v3", ["g++", "-march=x86-64-v3", "-S", "-o", os.devnull]),
+                   ("x86-64-v4+avx512bf16", ["g++", "-march=x86-64-v4", "-mavx512bf16", "-fsyntax-only"])]
+    if shutil.which("aarch64-linux-gnu-g++"):
+        builds.append(("aarch64", ["aarch64-linux-gnu-g++", "-march=armv8-a", "-fsyntax-only"]))
+    return builds
+
+
+def test_the_vector_sources_build_for_other_cpus(tmp_path):
+    """The kernels' vector code compiles for CPUs with other vector units than this one's: every x86 intrinsic sits
+    behind its vector unit's macros with a portable fallback. The vector sources go in as one translation unit per
+    CPU (torch's headers are read once), the compilations side by side; the other sources hold no vector code."""
+    builds = cpu_builds()
+    if not builds:
+        pytest.skip("needs g++ on x86-64, or an aarch64 cross compiler")
+    from torch.utils.cpp_extension import include_paths
+
+    sources = vector_sources()
+    assert {path.name for path in sources} >= {"linear.cpp", "ragged_attention.cpp", "ranking.cpp", "row_ops.cpp"}
+    for path in set(native.SOURCES) - set(sources):
+        assert "_mm" not in path.read_text(), f"{path.name} uses intrinsics without vectors.h's guards"
+    unit = tmp_path / "vector_sources.cpp"
+    unit.write_text("".join(f'#include "{path}"\n' for path in sources))
+    includes = [f"-I{path}" for path in include_paths()]
+    runs = {name: subprocess.Popen([*command, *PORTABLE_FLAGS, "-w", *includes, str(unit)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+            for name, command in builds}
+    failures = {}
+    for name, run in runs.items():
+        output, _ = run.communicate(timeout=600)
+        if run.returncode != 0:
+            failures[name] = "\n".join(line for line in output.splitlines() if "error" in line)[:3000]
+    assert not failures, "\n\n".join(f"{name}:\n{errors}" for name, errors in failures.items())

@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import make_tiny_model
 
-from draftwise.backend import pages
-from draftwise.backend.lean import LeanTarget
+from draftwise.backend.weights import pages
+from draftwise.backend.forward.lean import LeanTarget
 from draftwise.backend.rows import RowBlock
 
 
@@ -50,6 +50,8 @@ def test_the_lean_forward_gives_the_same_bits_from_huge_pages(dtype):
     assert not left.huge_pages
     if not pages.huge_pages_available():
         pytest.skip("no transparent huge pages here")
+    if all(product.packed for product in left.products):
+        pytest.skip("every product's weights are packed by oneDNN here (no blocked kernel for this dtype): none move")
     assert placed.huge_pages
     prompt, rows = list(range(5, 40)), RowBlock((3, 4, 5, 6), (-1, 0, 0, 2))
     outputs = []

@@ -222,13 +222,14 @@ def test_write_json_and_tables(tmp_path):
     assert payload["records"][3]["token_ids"] == [4, 5, 7]
     assert payload["records"][0]["tokens_per_s"] == pytest.approx(10.0)
 
-    tables = summary_tables(summary)
-    assert len(tables) == 3
+    tables = summary_tables(summary, by_category=True)
+    assert [table.title for table in tables] == ["A (1 prompt)", "B (1 prompt)", "overall (2 prompts)"]
     console = Console(record=True, width=200)
     for table in tables:
         console.print(table)
     text = console.export_text()
     assert "overall" in text and "3.33x" in text and "50%" in text
+    assert [table.title for table in summary_tables(summary)] == ["overall (2 prompts)"]  # by default
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -673,7 +674,7 @@ def test_environment_records_the_machine(tiny_llama):
 def test_tied_weights_count_once():
     from torch import nn
 
-    from draftwise.backend.machine import weight_bytes
+    from draftwise.backend.calibration.machine import weight_bytes
 
     embedding = nn.Embedding(10, 4)
     head = nn.Linear(4, 10, bias=False)

@@ -151,6 +151,34 @@ def test_bench_and_report_commands(tiny_cli, tmp_path, capsys):
     assert (tmp_path / "report" / "budget.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_bench_prints_one_overall_table_unless_by_category(tiny_cli, tmp_path, capsys):
+    arguments = ["bench", "--model", "tiny", "--data", str(prompt_file(tmp_path)), "--methods", "ar,pld",
+                 "--max-new-tokens", "4"]
+    assert cli.main(arguments) == 0
+    captured = capsys.readouterr()
+    assert "overall (3 prompts)" in captured.out
+    assert "copy (" not in captured.out and "mt_bench (" not in captured.out
+    assert "--by-category" in captured.err  # where the per-category tables are
+
+    assert cli.main([*arguments, "--by-category"]) == 0
+    captured = capsys.readouterr()
+    assert "copy (2 prompts)" in captured.out and "mt_bench (1 prompt)" in captured.out
+    assert captured.out.index("copy (") < captured.out.index("overall (3 prompts)")
+    assert "--by-category" not in captured.err
+
+
+def test_bench_plot_writes_the_speedup_chart(tiny_cli, tmp_path, capsys):
+    chart = tmp_path / "charts" / "demo.png"
+    arguments = ["bench", "--model", "tiny", "--data", str(prompt_file(tmp_path)), "--methods", "ar,pld,hf",
+                 "--max-new-tokens", "4", "--plot", str(chart)]
+    assert cli.main(arguments) == 0
+    assert chart.read_bytes().startswith(PNG_MAGIC)
+    assert f"speedup chart written to {chart}" in " ".join(capsys.readouterr().err.split())  # (unwrapped)
+    alone = tmp_path / "alone.png"
+    assert cli.main([*arguments[:6], "ar", *arguments[7:-1], str(alone)]) == 0
+    assert not alone.exists() and "no chart" in capsys.readouterr().err
+
+
 def test_bench_batch_size_command(tiny_cli, tmp_path, capsys):
     summary = tmp_path / "batched.json"
     arguments = ["bench", "--model", "tiny", "--data", str(prompt_file(tmp_path)), "--methods", "ar,pld,hf",
@@ -174,6 +202,7 @@ def test_bench_batch_size_command(tiny_cli, tmp_path, capsys):
     (["--resume"], "--out"),
     (["--categories", "nope"], "unknown category"),
     (["--no-chat-template", "--turns", "both"], "chat template"),
+    (["--batch-size", "2", "--by-category"], "--by-category"),
 ])
 def test_bench_command_errors(tiny_cli, tmp_path, capsys, arguments, message):
     assert cli.main(["bench", "--data", str(prompt_file(tmp_path)), "--max-new-tokens", "4", *arguments]) == 2

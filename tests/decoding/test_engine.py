@@ -1,13 +1,17 @@
-"""The engine's stages one by one: accept, draft, the Decoder's prefill and step, and what a drafter is handed."""
+"""The engine's stages one by one: accept, draft, the Decoder's prefill and step, and what a drafter is handed.
+
+The drafting policy on its own (cost rule, pauses, throughput judging, exploration) is tested in test_policy.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny import OracleChainDrafter
 
 from draftwise.decoding.drafter import Drafter, NoDrafter
-from draftwise.decoding.engine import Decoder, FinishReason, SequenceState, accept, decode, draft, explore
+from draftwise.decoding.engine import Decoder, FinishReason, SequenceState, accept, decode, draft
 from draftwise.decoding.latency import LatencyModel
+from draftwise.decoding.policy import DraftingPolicy
 from draftwise.decoding.tree import DraftTree
 
 PROMPT = [3, 17, 42, 8, 8, 61, 5, 23]
@@ -132,67 +136,6 @@ def test_subtrees_keep_their_draft_distributions():
     assert torch.equal(cut.draft_probs, probabilities[[0, 1, 3]])
 
 
-def test_unscored_drafts_are_priced_from_the_acceptance_so_far():
-    """A batch scores a drafter's unscored tree from the sequence's acceptance by depth (Laplace-smoothed), shared
-    evenly among siblings, never growing along a path."""
-    import pytest
-
-    from draftwise.decoding.engine import scored_by_acceptance
-    from draftwise.decoding.stats import GenerationStats
-    from draftwise.decoding.tree import DraftTree
-
-    stats = GenerationStats()
-    stats.record_step(emitted=2, drafted=2, accepted=1, attempted=2)  # depth 1 accepted, depth 2 rejected
-    tree = DraftTree((5, 6, 7), (-1, 0, 0))
-    scored = scored_by_acceptance(tree, stats)
-    assert scored.tokens == tree.tokens and scored.parents == tree.parents
-    assert scored.scores == pytest.approx((2 / 3, 2 / 3 * 1 / 3 / 2, 2 / 3 * 1 / 3 / 2))
-    assert scored_by_acceptance(DraftTree(), stats) == DraftTree()
-
-
-def test_a_batch_pauses_drafting_while_drafted_steps_emit_fewer_tokens_per_second(tiny_llama):
-    """Of several sequences, measured steps decide: drafted steps slower than plain ones pause drafting with a
-    growing backoff; faster ones end it; batch 1 is left to the cost rule."""
-    decoder = Decoder(tiny_llama)
-    for _ in range(Decoder.RATE_MIN_STEPS):
-        decoder._judge_by_throughput(8, False, 8, 0.040)  # 200 tokens/s without drafts
-    for _ in range(Decoder.RATE_MIN_STEPS - 1):
-        decoder._judge_by_throughput(8, True, 10, 0.060)  # 167 tokens/s with them: not enough steps yet
-    assert decoder._pauses.get(8, [0, 0])[0] == 0
-    decoder._judge_by_throughput(8, True, 10, 0.060)
-    assert decoder._pauses[8][0] == 1
-    decoder._judge_by_throughput(8, True, 10, 0.060)
-    assert decoder._pauses[8][0] == 2  # the backoff doubles
-    for _ in range(20):
-        decoder._judge_by_throughput(8, True, 16, 0.050)  # 320 tokens/s: drafting pays again
-    assert decoder._throughput_pauses[8] == 0
-    for _ in range(10):
-        decoder._judge_by_throughput(1, False, 1, 0.010)
-        decoder._judge_by_throughput(1, True, 1, 0.050)
-    assert 1 not in decoder._pauses
-
-
-def test_a_batch_that_always_drafts_still_measures_plain_steps(tiny_llama):
-    """Drafters that always propose something leave no plain steps to compare with: the decoder runs one after each
-    drafted step until enough are measured, then one every PLAIN_STEP_EVERY drafted steps."""
-    decoder = Decoder(tiny_llama)
-
-    def next_step_drafts() -> bool:
-        pause = decoder._pauses.setdefault(8, [0, 0])
-        drafting = pause[0] == 0
-        pause[0] = max(0, pause[0] - 1)
-        return drafting
-
-    kinds = []
-    for _ in range(2 * Decoder.RATE_MIN_STEPS + 2 * Decoder.PLAIN_STEP_EVERY):
-        drafted = next_step_drafts()
-        kinds.append(drafted)
-        decoder._judge_by_throughput(8, drafted, 12, 0.040)  # drafted and plain steps alike: drafting never paused
-    warm_up = 2 * Decoder.RATE_MIN_STEPS
-    assert kinds[:warm_up] == [True, False] * Decoder.RATE_MIN_STEPS
-    assert [index for index, drafted in enumerate(kinds[warm_up:]) if not drafted] == [Decoder.PLAIN_STEP_EVERY]
-
-
 class UnderratedOracle(OracleChainDrafter):
     """The true continuation, scored far below what any forward's cost would pay for."""
 
@@ -215,7 +158,7 @@ def test_drafts_the_cost_rule_drops_are_still_verified_now_and_then(tiny_llama):
     """A source scored below break-even is never verified, so its score is never corrected: every EXPLORE_EVERY
     steps without a verified node, the best node on offer is verified anyway (one row), and the tokens stay plain
     decoding's."""
-    count = 3 * Decoder.EXPLORE_EVERY + 4
+    count = 3 * DraftingPolicy.EXPLORE_EVERY + 4
     reference = greedy_ids(tiny_llama, PROMPT, count)
     drafter = UnderratedOracle(PROMPT, reference, length=4)
     decoder = Decoder(tiny_llama, budget=8, latency=FixedCosts(prior={1: 1.0, 2: 10.0, 64: 640.0}))
@@ -226,15 +169,31 @@ def test_drafts_the_cost_rule_drops_are_still_verified_now_and_then(tiny_llama):
     assert state.output == reference
     verified = [index for index, outcome in enumerate(drafter.outcomes) if len(outcome.tree)]
     assert len(verified) >= 2 and all(len(drafter.outcomes[index].tree) == 1 for index in verified)
-    assert verified[0] + 1 >= Decoder.EXPLORE_EVERY
+    assert verified[0] + 1 >= DraftingPolicy.EXPLORE_EVERY
     # Each explored node is the truth: two tokens a step there.
     assert all(len(drafter.outcomes[index].emitted) == 2 for index in verified)
 
 
-def test_explore_keeps_the_single_best_node_of_a_batch():
-    low = DraftTree((1, 2), (-1, 0), (0.2, 0.1))
-    high = DraftTree((3, 4, 5), (-1, -1, 1), (0.1, 0.3, 0.25))
-    unscored = DraftTree()
-    explored = explore([low, high, unscored])
-    assert [tree.tokens for tree in explored] == [(), (4,), ()]
-    assert all(len(tree) == 0 for tree in explore([DraftTree(), DraftTree()]))
+
+class NeverDrafting(DraftingPolicy):
+    """A policy that never asks the drafters."""
+
+    def drafting(self, batch_size):
+        return False
+
+
+def test_the_decoder_consults_its_policy(tiny_llama):
+    reference = greedy_ids(tiny_llama, PROMPT, 8)
+    drafter = OracleChainDrafter(PROMPT, reference, length=4)
+    latency = LatencyModel()
+    decoder = Decoder(tiny_llama, policy=NeverDrafting(latency))
+    assert decoder.latency is latency  # a given policy's latency model is the decoder's
+    state = decoder.start(PROMPT, drafter, max_new_tokens=8)
+    decoder.prefill([state])
+    while not state.finished:
+        decoder.step([state])
+    assert state.output == reference and state.stats.steps == 8  # one token a step: nothing was drafted
+    assert drafter.proposals == 0
+    assert isinstance(Decoder(tiny_llama).policy, DraftingPolicy)
+    with pytest.raises(ValueError):  # a policy over another latency model than the decoder's
+        Decoder(tiny_llama, latency=LatencyModel(), policy=DraftingPolicy(LatencyModel()))

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from draftwise.decoding.engine import size_trees
 from draftwise.decoding.latency import GENERIC_PRIOR, LatencyModel
+from draftwise.decoding.policy import size_trees
 from draftwise.decoding.tree import DraftTree
 
 

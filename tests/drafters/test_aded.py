@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import repetitive_prompt
 
 import draftwise
@@ -296,27 +297,23 @@ def _cases(seed: int, count: int = 8) -> list[tuple[list[int], int]]:
     return [(repetitive_prompt(rng), rng.randint(20, 36)) for _ in range(count)]
 
 
-def _greedy(model, prompt, max_new_tokens) -> list[int]:
-    return draftwise.generate(model, None, prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens).token_ids
-
-
 def _self_store(model, cases) -> TrigramStore:
     """The tri-grams of the model's own greedy output after these prompts: a corpus that drafts well."""
-    return TrigramCounter.of(np.array(prompt + _greedy(model, prompt, new), dtype=np.int32) for prompt, new in cases).store()
+    prompts, lengths = zip(*cases)
+    outputs = ar_token_ids(model, None, prompts, max_new_tokens=lengths)
+    documents = (np.array(prompt + output, dtype=np.int32) for prompt, output in zip(prompts, outputs))
+    return TrigramCounter.of(documents).store()
 
 
 def test_greedy_ids_equal_ar(tiny_model):
-    cases = _cases(31)
-    references = [_greedy(tiny_model, prompt, new) for prompt, new in cases]
-    shared = AdedDrafter(seed=3)  # one drafter across requests: the store keeps adapting
-    accepted = 0
-    for (prompt, new), expected in zip(cases, references):
-        fresh = draftwise.generate(tiny_model, None, prompt_ids=prompt, method="aded", max_new_tokens=new)
-        assert fresh.token_ids == expected
-        result = draftwise.generate(tiny_model, None, prompt_ids=prompt, method=shared, max_new_tokens=new, budget=8)
-        assert result.token_ids == expected
-        accepted += result.stats.accepted_tokens
-    assert accepted > 0, "the prompts repeat segments: the adapted store should draft some of them"
+    prompts, lengths = zip(*_cases(31))
+    references = ar_token_ids(tiny_model, None, prompts, max_new_tokens=lengths)
+    # A fresh drafter per request, and one drafter across requests (its store keeps adapting: the prompts repeat
+    # segments, so it drafts some of them).
+    assert_same_ids_as_ar(tiny_model, None, prompts, "aded", max_new_tokens=lengths, expected=references,
+                          require_drafting=False)
+    assert_same_ids_as_ar(tiny_model, None, prompts, AdedDrafter(seed=3), max_new_tokens=lengths, expected=references,
+                          budget=8)
 
 
 def test_greedy_ids_equal_ar_with_a_corpus(tiny_model, tmp_path):
@@ -324,12 +321,9 @@ def test_greedy_ids_equal_ar_with_a_corpus(tiny_model, tmp_path):
     path = tmp_path / "corpus.npz"
     _self_store(tiny_model, cases).save(path)
     method = f"aded:corpus={path},iterations=24,copy_length=0"  # tri-grams only: acceptance comes from the corpus
-    accepted = 0
-    for prompt, new in cases + _cases(48, count=3):
-        expected = _greedy(tiny_model, prompt, new)
-        result = draftwise.generate(tiny_model, None, prompt_ids=prompt, method=method, max_new_tokens=new)
-        assert result.token_ids == expected
-        accepted += result.stats.accepted_tokens
+    prompts, lengths = zip(*(cases + _cases(48, count=3)))
+    results = assert_same_ids_as_ar(tiny_model, None, prompts, method, max_new_tokens=lengths)
+    accepted = sum(result.stats.accepted_tokens for result in results)
     assert accepted > 0.5 * sum(new for _, new in cases), "the corpus holds these continuations: most are drafted"
 
 
@@ -337,15 +331,11 @@ def test_short_outputs_and_eos_inside_a_draft(tiny_llama, monkeypatch):
     """Output lengths 1 and 2 (no room to draft, one step) and an EOS met inside an accepted draft."""
     drafter = AdedDrafter()
     drafter.store = _self_store(tiny_llama, [(PROMPT, 30)])
-    for new in (1, 2, 3):
-        result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=new)
-        assert result.token_ids == _greedy(tiny_llama, PROMPT, new)
-    reference = _greedy(tiny_llama, PROMPT, 30)
-    eos = reference[12]
+    assert_same_ids_as_ar(tiny_llama, None, [PROMPT] * 3, drafter, max_new_tokens=[1, 2, 3], require_drafting=False)
+    eos = ar_token_ids(tiny_llama, None, [PROMPT], max_new_tokens=30)[0][12]
     monkeypatch.setattr(tiny_llama.generation_config, "eos_token_id", eos)
-    expected = _greedy(tiny_llama, PROMPT, 30)
-    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30)
-    assert result.token_ids == expected and expected[-1] == eos and len(expected) <= 13
+    (result,) = assert_same_ids_as_ar(tiny_llama, None, [PROMPT], drafter, max_new_tokens=30, require_drafting=False)
+    assert result.token_ids[-1] == eos and len(result.token_ids) <= 13
 
 
 def test_saved_recycled_state_of_another_width_is_refused(tiny_llama, tmp_path):

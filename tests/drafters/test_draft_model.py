@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 from distributions import check_speculative_sampling
+from equivalence import assert_same_ids_as_ar
 from tiny import make_tiny_model, noisy_copy, repetitive_prompt
 
 import draftwise
-from draftwise.backend.lean import LeanTarget
+from draftwise.backend.forward.lean import LeanTarget
 from draftwise.decoding.sampling import SamplingParams
 from draftwise.drafters.draft_model import DraftModelDrafter, TreeGrowth, pick_children
 from draftwise.drafters.stores.acceptance import AcceptanceTracker
@@ -26,16 +27,12 @@ def _model_of(target):
 def test_greedy_ids_equal_ar_with_chains_and_trees(target, width):
     drafter = DraftModelDrafter(model=noisy_copy(_model_of(target), noise=0.05), width=width, depth=5, adaptive=False)
     rng = random.Random(width)
-    accepted = drafted = 0
-    for _ in range(4):
-        prompt = repetitive_prompt(rng, low=10, high=80)
-        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-        result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40)
-        assert result.token_ids == expected
-        accepted += result.stats.accepted_tokens
-        drafted += result.stats.drafted_tokens
-        assert result.stats.draft_time_s > 0
-    assert accepted > 0 and (width == 1 or drafted > accepted)
+    prompts = [repetitive_prompt(rng, low=10, high=80) for _ in range(4)]
+    results = assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=40)
+    assert all(result.stats.draft_time_s > 0 for result in results)
+    accepted = sum(result.stats.accepted_tokens for result in results)
+    drafted = sum(result.stats.drafted_tokens for result in results)
+    assert width == 1 or drafted > accepted
 
 
 @pytest.mark.parametrize("width", [1, 2])
@@ -43,10 +40,7 @@ def test_batched_sequences_get_their_batch_1_ids(target, width):
     drafter = DraftModelDrafter(model=noisy_copy(_model_of(target), noise=0.05), width=width, depth=4, adaptive=False)
     rng = random.Random(5)
     batch = [repetitive_prompt(rng, low=5, high=60) for _ in range(5)]
-    alone = [draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
-             for prompt in batch]
-    results = draftwise.generate(target, None, prompt_ids=batch, method=drafter, max_new_tokens=30, max_batch=3)
-    assert [result.token_ids for result in results] == alone
+    assert_same_ids_as_ar(target, None, batch, drafter, max_new_tokens=30, max_batch=3)
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -128,14 +122,8 @@ def test_a_draft_head_over_part_of_the_vocabulary_keeps_greedy_ids(width):
     drafter = DraftModelDrafter(model=noisy_copy(target.model, noise=0.05), width=width, depth=4, adaptive=False,
                                 vocab=16)
     rng = random.Random(7)
-    accepted = 0
-    for _ in range(3):
-        prompt = repetitive_prompt(rng, low=10, high=60)
-        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
-        result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=30)
-        assert result.token_ids == expected
-        accepted += result.stats.accepted_tokens
-    assert accepted > 0
+    prompts = [repetitive_prompt(rng, low=10, high=60) for _ in range(3)]
+    assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=30)
     head = drafter._shared["head"]
     assert head is not None and head.size == 16 and head.extra
     q = drafter._distribution(torch.randn(len(head.ids)))
@@ -159,6 +147,5 @@ def test_a_draft_head_missing_too_many_tokens_gives_way_to_the_whole_vocabulary(
     drafter = DraftModelDrafter(model=noisy_copy(target.model, noise=0.05), width=1, depth=4, adaptive=False, vocab=4)
     drafter.MISS_WINDOW = 16
     prompt = repetitive_prompt(random.Random(3), low=10, high=30)
-    expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-    assert draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40).token_ids == expected
+    assert_same_ids_as_ar(target, None, [prompt], drafter, max_new_tokens=40, require_drafting=False)
     assert drafter._shared["seen"] >= 16 and drafter._shared["head"] is None

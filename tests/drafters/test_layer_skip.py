@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 from distributions import check_speculative_sampling
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import make_tiny_model, planned, repetitive_prompt
 
 import draftwise
-from draftwise.backend.lean import LayerSkip, LeanTarget
+from draftwise.backend.forward.lean import LayerSkip, LeanTarget
 from draftwise.decoding.latency import LatencyModel
 from draftwise.decoding.sampling import SamplingParams
 from draftwise.decoding.verify import greedy_choice
@@ -38,17 +39,12 @@ def test_greedy_ids_equal_ar_alone_and_batched(dtype, tmp_path):
                                search_share=100.0)
     rng = random.Random(3)
     prompts = [repetitive_prompt(rng, low=10, high=70) for _ in range(6)]
-    expected = [draftwise.generate(target, None, prompt_ids=p, method="ar", max_new_tokens=40).token_ids for p in prompts]
-    accepted = 0
-    for prompt, ids in zip(prompts, expected):
-        result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40)
-        assert result.token_ids == ids
-        accepted += result.stats.accepted_tokens
-    assert accepted > 0
+    expected = ar_token_ids(target, None, prompts, max_new_tokens=40)
+    assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=40, expected=expected)
     scored = len(drafter.search.history)
     assert scored > 0
-    batched = draftwise.generate(target, None, prompt_ids=prompts, method=drafter, max_new_tokens=40, max_batch=4)
-    assert [result.token_ids for result in batched] == expected
+    assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=40, expected=expected, max_batch=4,
+                          require_drafting=False)
     assert len(drafter.search.history) > scored or not drafter.search.searching  # batched sequences search too
 
 
@@ -128,18 +124,17 @@ def test_the_search_runs_during_generation_and_keeps_ids(tmp_path):
     drafter = LayerSkipDrafter(ratio=0.3, window=8, trials=12, patience=12, target_match=1.0, bayes_interval=4,
                                search_share=100.0)
     prompts = [repetitive_prompt(random.Random(seed), low=20, high=40) for seed in range(3)]
-    for prompt in prompts:
-        expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-        result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=40)
-        assert result.token_ids == expected
+    assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=40, require_drafting=False)
     search = drafter.search
     assert search.history and not search.searching  # stopped: a perfect match, or all 12 sets scored
     assert search.best_match == 1.0 or len(search.history) == 12
     assert search.best_match == max(match for _, match in search.history)
 
 
-def test_sampling_keeps_the_target_distribution(tmp_path):
-    model = make_tiny_model("llama", seed=3, vocab=24, scale=1.5, num_hidden_layers=4)
+def test_sampling_keeps_the_target_distribution(device, tmp_path):
+    """The first three tokens' marginals equal plain sampling's, drafts accepted (four tokens to generate let the
+    first step draft two levels from the skipped layers' distributions), on the engine's forward for the device."""
+    model = make_tiny_model("llama", seed=3, vocab=24, scale=1.5, num_hidden_layers=4).to(device)
     target = planned(model, tmp_path)
     drafter = LayerSkipDrafter(ratio=0.5, threshold=0.0, adaptive=False, depth=3)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
@@ -194,11 +189,14 @@ def test_a_search_that_cannot_pay_gives_up_and_stops_drafting(tmp_path):
     target = deep_target(torch.float32, tmp_path)
     drafter = LayerSkipDrafter(ratio=0.5, threshold=0.0, adaptive=False)
     prompt = repetitive_prompt(random.Random(6), low=20, high=30)
-    expected = draftwise.generate(target, None, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
-    assert draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=30).stats.drafted_tokens
+    expected = ar_token_ids(target, None, [prompt], max_new_tokens=30)
+    (drafting,) = assert_same_ids_as_ar(target, None, [prompt], drafter, max_new_tokens=30, expected=expected,
+                                        require_drafting=False)
+    assert drafting.stats.drafted_tokens
     drafter.search.given_up = True
-    result = draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=30)
-    assert result.token_ids == expected and result.stats.drafted_tokens == 0
+    (result,) = assert_same_ids_as_ar(target, None, [prompt], drafter, max_new_tokens=30, expected=expected,
+                                      require_drafting=False)
+    assert result.stats.drafted_tokens == 0
 
 
 def test_the_best_set_is_ranked_by_its_mean_over_windows():

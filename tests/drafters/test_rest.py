@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from hypothesis import strategies as st
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import VOCAB, TextTokenizer, repetitive_prompt
 
 import draftwise
@@ -105,10 +106,9 @@ def _reference_store(model, seed: int) -> tuple[Datastore, list[tuple[list[int],
     prompts): the retrieval a corpus gives on text like the one being generated."""
     rng = random.Random(seed)
     cases = [(repetitive_prompt(rng), rng.randint(24, 40)) for _ in range(8)]
-    corpus = []
-    for prompt, max_new_tokens in cases:
-        result = draftwise.generate(model, None, prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens)
-        corpus.append(np.array(prompt + result.token_ids, dtype=np.int32))
+    prompts, lengths = zip(*cases)
+    outputs = ar_token_ids(model, None, prompts, max_new_tokens=lengths)
+    corpus = [np.array(prompt + output, dtype=np.int32) for prompt, output in zip(prompts, outputs)]
     return Datastore.from_documents(corpus, vocab_size=VOCAB), cases
 
 
@@ -116,14 +116,11 @@ def _reference_store(model, seed: int) -> tuple[Datastore, list[tuple[list[int],
 def test_greedy_ids_equal_ar(tiny_model, context):
     store, cases = _reference_store(tiny_model, seed=11)
     drafter = RestDrafter(store, context=context)
-    steps = tokens = 0
     rng = random.Random(5)
-    for prompt, max_new_tokens in cases + [(repetitive_prompt(rng), 30) for _ in range(4)]:
-        expected = draftwise.generate(tiny_model, None, prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens)
-        result = draftwise.generate(tiny_model, None, prompt_ids=prompt, method=drafter, max_new_tokens=max_new_tokens)
-        assert result.token_ids == expected.token_ids
-        steps += result.stats.steps
-        tokens += result.stats.new_tokens
+    prompts, lengths = zip(*(cases + [(repetitive_prompt(rng), 30) for _ in range(4)]))
+    results = assert_same_ids_as_ar(tiny_model, None, prompts, drafter, max_new_tokens=lengths)
+    steps = sum(result.stats.steps for result in results)
+    tokens = sum(result.stats.new_tokens for result in results)
     assert steps < tokens / 2, "the datastore holds these continuations: most should be drafted"
 
 
@@ -132,12 +129,8 @@ def test_datastore_path_through_the_method_spec(tmp_path, tiny_llama):
     path = tmp_path / "store.npz"
     store.save(path)
     prompt, max_new_tokens = cases[0]
-    expected = draftwise.generate(tiny_llama, None, prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens)
-    result = draftwise.generate(
-        tiny_llama, None, prompt_ids=prompt, method=f"rest:datastore={path},context=false", max_new_tokens=max_new_tokens
-    )
-    assert result.token_ids == expected.token_ids
-    assert result.stats.steps < result.stats.new_tokens
+    assert_same_ids_as_ar(tiny_llama, None, [prompt], f"rest:datastore={path},context=false",
+                          max_new_tokens=max_new_tokens)
 
 
 def test_drafting_is_fast():

@@ -22,9 +22,9 @@ import uvicorn
 from tiny import ChatCharTokenizer, make_tiny_model, repetitive_prompt
 
 import draftwise
-from draftwise.backend.invariance import plan_rows
-from draftwise.backend.lean import LeanTarget
-from draftwise.backend.machine import MeasurementStore
+from draftwise.backend.calibration.invariance import plan_rows
+from draftwise.backend.forward.lean import LeanTarget
+from draftwise.backend.calibration.machine import MeasurementStore
 from draftwise.serve import ServerBusyError, ServingEngine, create_app
 from draftwise.serve.load import run_load
 

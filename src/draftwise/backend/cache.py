@@ -1,13 +1,16 @@
-"""A key/value cache in which rejecting draft tokens is a cheap rollback.
+"""The KV caches: where a sequence's keys and values live, and why rejecting draft rows is a cheap rollback.
 
-Each layer keeps one preallocated buffer of shape ``(batch, kv_heads, capacity, head_dim)``. A forward pass writes
-the keys and values of its new rows right after each sequence's committed length and returns a view of the buffer;
-nothing is committed until the engine calls :meth:`TreeKVCache.keep`, which compacts the rows of the accepted path
-into place. Rejected rows are simply left behind the committed length and overwritten by the next step.
+Both caches preallocate their buffers; a forward writes its new rows right after a sequence's committed length, and
+nothing is committed until the engine keeps the accepted rows, which are compacted into place. Rejected rows are
+simply left behind the committed length and overwritten by the next step.
 
-Sequences in a batch may have different committed lengths (``lengths``). A forward pass writes sequence ``b``'s new
-rows at ``lengths[b]``; the engine's attention mask hides everything a row must not see, including the stale slots
-of shorter sequences. The cache plugs into transformers through its public :class:`~transformers.Cache` interface.
+- :class:`TreeKVCache` serves :class:`~draftwise.backend.target.TransformersTarget` (any transformers causal LM, through
+  its public :class:`~transformers.Cache` interface). Each layer keeps one ``(batch, kv_heads, capacity, head_dim)``
+  buffer. Sequences in a batch may have different committed lengths (``lengths``); a forward writes sequence ``b``'s
+  new rows at ``lengths[b]``, and the engine's attention mask hides everything a row must not see, including the
+  stale slots of shorter sequences.
+- :class:`LeanCache` serves the lean forward (:mod:`draftwise.backend.forward.lean`): one sequence's keys and values
+  in blocks of positions, laid out so that attention reads whole blocks in place.
 """
 
 from __future__ import annotations
@@ -146,3 +149,48 @@ def _is_prefix_range(indices: Sequence[int] | torch.Tensor) -> bool:
     if isinstance(indices, torch.Tensor):
         indices = indices.tolist()
     return all(index == position for position, index in enumerate(indices))
+
+
+class LeanCache:
+    """Keys and values of one sequence for the lean forward, in blocks of positions: ``(layers, blocks, kv_heads, block, head_dim)``
+    buffers (block-major, so that attention reads whole blocks in place), grown when needed.
+
+    Positions ``0 .. length - 1`` are committed; a forward writes its rows after them and :meth:`~draftwise.backend.forward.lean.LeanTarget.commit`
+    moves the accepted ones into place.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block: int, capacity: int, dtype, device) -> None:
+        blocks = -(-capacity // block)
+        shape = (layers, blocks, kv_heads, block, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.block = block
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1] * self.block
+
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` positions (doubling, so growth is rare)."""
+        if needed <= self.capacity:
+            return
+        blocks = max(-(-needed // self.block), 2 * self.keys.shape[1])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], blocks, *old.shape[2:]))
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+    def region(self, start: int, end: int) -> tuple[slice, slice]:
+        """An index of ``keys`` and ``values`` covering positions ``start .. end - 1`` of every layer (whole
+        blocks)."""
+        return slice(None), slice(start // self.block, (end - 1) // self.block + 1)
+
+    def move(self, sources: torch.Tensor, start: int) -> None:
+        """Copy the positions ``sources`` of every layer to ``start, start + 1, ...`` (sources read first)."""
+        targets = torch.arange(start, start + sources.shape[0], device=sources.device)
+        for buffer in (self.keys, self.values):
+            buffer[:, targets // self.block, :, targets % self.block] = buffer[
+                :, sources // self.block, :, sources % self.block
+            ]

@@ -53,9 +53,9 @@ class Target(ABC):
     #: against its vocabulary.
     tokenizer: Any = None
     #: Whether verification rows are bitwise plain decoding's on this machine (see
-    #: :mod:`draftwise.backend.invariance`); when not, the engine verifies no drafts with this target.
+    #: :mod:`draftwise.backend.calibration.invariance`); when not, the engine verifies no drafts with this target.
     exact_trees: bool = True
-    #: Forward seconds by row count measured on this machine (:mod:`draftwise.backend.costs`), if measured.
+    #: Forward seconds by row count measured on this machine (:mod:`draftwise.backend.calibration.costs`), if measured.
     cost_prior: dict[int, float] | None = None
     #: The same for trees (rows that branch), if measured.
     tree_cost_prior: dict[int, float] | None = None

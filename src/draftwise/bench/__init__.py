@@ -2,6 +2,7 @@
 
 - :mod:`.prompts`: Spec-Bench, HumanEval and prompt files.
 - :mod:`.run`: rows, drafters, one timed run per row and prompt, a whole benchmark (:class:`~.run.Benchmark`).
+- :mod:`.interleave`: two configurations compared round by round in one process (``--interleave "A;B"``).
 - :mod:`.results`: run records, the resumable results file and the JSON summary.
 - :mod:`.metrics`: speedups, MAT, acceptance, exact match, per category and overall.
 - :mod:`.environment`: what a run was measured on.
@@ -10,6 +11,7 @@
 
 from .anchors import ANCHOR_ROWS
 from .environment import PeakMemoryMeter, environment, model_digest
+from .interleave import InterleaveResult, InterleaveRound, parse_interleave, run_interleaved
 from .metrics import (
     BASELINES,
     complete_runs,
@@ -30,6 +32,7 @@ from .run import (
     BenchSettings,
     Measurement,
     Row,
+    RowTimer,
     build_drafters,
     measure_draftwise,
     measure_hf,
@@ -49,11 +52,14 @@ __all__ = [
     "OVERALL",
     "BenchSettings",
     "Benchmark",
+    "InterleaveResult",
+    "InterleaveRound",
     "Measurement",
     "PeakMemoryMeter",
     "Record",
     "ResultsWriter",
     "Row",
+    "RowTimer",
     "build_drafters",
     "complete_runs",
     "environment",
@@ -62,6 +68,7 @@ __all__ = [
     "measure_draftwise",
     "measure_hf",
     "model_digest",
+    "parse_interleave",
     "parse_methods",
     "parse_sweep",
     "per_repeat",
@@ -73,6 +80,7 @@ __all__ = [
     "results_header",
     "row_label",
     "run_bench",
+    "run_interleaved",
     "sum_histograms",
     "summarize",
     "total_rate",

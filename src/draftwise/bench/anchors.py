@@ -84,7 +84,7 @@ def rewrite_gguf(source: Path, destination: Path, dtype: torch.dtype) -> Path:
 
 def anchor_gguf(name_or_path: str, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None) -> Path:
     """The model's GGUF file in ``dtype``, rewritten once and kept in the cache folder."""
-    from ..backend.machine import cache_root
+    from ..backend.calibration.machine import cache_root
 
     source = source_gguf(name_or_path)
     digest = hashlib.sha256(f"{source.resolve()}:{source.stat().st_size}".encode()).hexdigest()[:12]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..backend.machine import cpu_model, read_bandwidth, weight_bytes
+from ..backend.calibration.machine import cpu_model, read_bandwidth, weight_bytes
 
 
 class PeakMemoryMeter:
@@ -116,7 +116,7 @@ def model_digest(name_or_path: str) -> dict[str, str | None]:
 
 def _row_plan(model: Any) -> dict[str, Any] | None:
     """How a lean target pads its products and whether its draft trees are exact here (see
-    :mod:`draftwise.backend.invariance`)."""
+    :mod:`draftwise.backend.calibration.invariance`)."""
     if getattr(model, "backend", None) != "lean":
         return None
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,13 @@ def _title(category: str, rows: Mapping[str, Mapping[str, Any]]) -> str:
     return f"{category} ({counted})"
 
 
-def summary_tables(summary: Summary) -> list[Table]:
-    """One table per category and one overall, with the columns of :data:`COLUMNS` that have a value."""
+def summary_tables(summary: Summary, by_category: bool = False) -> list[Table]:
+    """The overall table, with the columns of :data:`COLUMNS` that have a value; with ``by_category``, one table per
+    category before it."""
     tables = []
-    for category in _categories_overall_last(summary):
+    for category in _categories_overall_last(summary) if by_category else [OVERALL]:
+        if category not in summary:
+            continue
         rows = summary[category]
         cells = {label: {column: cell(row) for column, cell in COLUMNS.items()} for label, row in rows.items()}
         shown = [column for column in COLUMNS if any(values[column] != "-" for values in cells.values())]
@@ -83,6 +87,37 @@ def summary_tables(summary: Summary) -> list[Table]:
             table.add_row(label, *(values[column] for column in shown))
         tables.append(table)
     return tables
+
+
+def interleave_table(rounds: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], max_new_tokens: int) -> Table:
+    """The A/B comparison of ``draftwise bench --interleave``: one line per round (its
+    :meth:`~draftwise.bench.interleave.InterleaveRound.summary`) and the medians (the result's
+    :meth:`~draftwise.bench.interleave.InterleaveResult.summary`)."""
+    greedy = summary["identical_ids"] is not None
+    title = (f"A = {summary['a']}, B = {summary['b']}: {summary['rounds']} rounds over {summary['prompts']} prompts, "
+             f"{max_new_tokens} new tokens each")
+    table = Table(title=title, title_justify="left", min_width=len(title))  # (the title on one line)
+    for column in ("round", "first", "A tok/s", "B tok/s", "B/A", *(["same ids"] if greedy else [])):
+        table.add_column(column, justify="right")
+    for line in rounds:
+        same = [f"{line['identical_ids']}/{line['prompts']}"] if greedy else []
+        table.add_row(str(line["round"]), line["first"], f"{line['a_tokens_per_s']:.1f}",
+                      f"{line['b_tokens_per_s']:.1f}", f"{line['ratio']:.3f}x", *same)
+    same = [f"{summary['identical_ids']}/{summary['compared_runs']}"] if greedy else []
+    table.add_section()
+    table.add_row("median", "", f"{summary['a_tokens_per_s']:.1f}", f"{summary['b_tokens_per_s']:.1f}",
+                  f"{summary['ratio']:.3f}x", *same)
+    return table
+
+
+def interleave_line(summary: Mapping[str, Any]) -> str:
+    """The comparison's result in one line: the median ratio B/A over the rounds with its spread."""
+    line = (f"B/A ({summary['b']} over {summary['a']}): median {summary['ratio']:.3f}x over {summary['rounds']} "
+            f"rounds, interquartile {summary['ratio_q1']:.3f}-{summary['ratio_q3']:.3f}x, "
+            f"min-max {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}x")
+    if summary["identical_ids"] is not None:
+        line += f"; identical ids in {summary['identical_ids']} of {summary['compared_runs']} runs"
+    return line
 
 
 def floor_line(summary: Summary, environment: Mapping[str, Any]) -> str | None:
@@ -241,14 +276,33 @@ def _acceptance_section(runs: Sequence[Run], several: bool) -> list[str]:
     ]
 
 
+def _summary_speedups(
+    summary: Summary, categories: Sequence[str], name: Callable[[str], str] = str
+) -> dict[str, dict[str, float]]:
+    """Each row's speedup over ``ar`` by category (``ar`` itself and rows without one left out), rows named by
+    ``name``."""
+    speedups: dict[str, dict[str, float]] = {}
+    for category in categories:
+        for label, row in summary.get(category, {}).items():
+            if label != "ar" and row.get("speedup_vs_ar") is not None:
+                speedups.setdefault(name(label), {})[category] = row["speedup_vs_ar"]
+    return speedups
+
+
 def _speedups(runs: Sequence[Run], categories: Sequence[str], several: bool) -> dict[str, dict[str, float]]:
     speedups: dict[str, dict[str, float]] = {}
     for run in runs:
-        for category in categories:
-            for label, row in run.summary.get(category, {}).items():
-                if label != "ar" and row.get("speedup_vs_ar") is not None:
-                    speedups.setdefault(_row_name(run, label, several), {})[category] = row["speedup_vs_ar"]
+        name = partial(_row_name, run, several=several)
+        speedups.update(_summary_speedups(run.summary, categories, name))
     return speedups
+
+
+def write_speedup_chart(summary: Summary, path: str | Path) -> Path | None:
+    """The speedup chart of one bench run's summary (each row's speedup over ``ar``, overall and per category) as a
+    PNG at ``path``; ``None`` when no row has a speedup over ``ar`` to show."""
+    categories = [OVERALL, *sorted(name for name in summary if name != OVERALL)]
+    speedups = _summary_speedups(summary, categories)
+    return speedup_chart(speedups, categories, path) if speedups else None
 
 
 def _histograms(runs: Sequence[Run], several: bool) -> dict[str, list[int]]:

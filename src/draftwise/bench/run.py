@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from .environment import PeakMemoryMeter, bandwidth_floor, environment
 from .metrics import summarize
 from .prompts import Prompt, load_dataset, take_prompts
 from .results import Measurement, Record, ResultsWriter, results_header, row_label
+
+if TYPE_CHECKING:
+    from .interleave import InterleaveResult, InterleaveRound
 
 HF_ROWS = ("hf", "hf-pld", "hf-assisted")
 #: Rows that run another engine on the same model: transformers' generate and llama.cpp.
@@ -274,6 +277,68 @@ def _record(row: Row, prompt: Prompt, turn: int, repeat: int, measured: Measurem
     )
 
 
+class RowTimer:
+    """Times rows on prompts in one process: draftwise rows through the engine (every row sharing one forward-time
+    model of this model on this machine), transformers rows through its ``generate``, llama.cpp rows through their
+    runners; each run's peak memory is noted.
+
+    Args:
+        model, tokenizer: the target and its tokenizer.
+        sampling: the sampling options of every run (greedy when ``None``).
+        draft_model: the draft model of ``hf-assisted``.
+        anchors: the llama.cpp rows' runners by row name (:class:`~draftwise.bench.anchors.LlamaCppRunner`).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        sampling: SamplingParams | None = None,
+        draft_model: Any = None,
+        anchors: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling or SamplingParams()
+        self.draft_model = draft_model
+        self.anchors = anchors or {}
+        self.eos = eos_token_ids(model, tokenizer)
+        self.latency = LatencyModel.of(as_target(model))
+        self.meter = PeakMemoryMeter(model.device)
+
+    def check_rows(self, rows: Sequence[Row]) -> None:
+        """Refuse rows this timer cannot run: ``hf-assisted`` without a draft model, llama.cpp rows without their
+        runners."""
+        if any(row.method == "hf-assisted" for row in rows) and self.draft_model is None:
+            raise InvalidRequestError("hf-assisted needs a draft model (--draft-model)")
+        unready = [row.label for row in rows if row.method in ANCHOR_ROWS and row.method not in self.anchors]
+        if unready:
+            raise InvalidRequestError(f"rows {', '.join(unready)} need llama.cpp runners (see Benchmark.prepare)")
+
+    def measure(
+        self, row: Row, drafter: Drafter | None, prompt_ids: Sequence[int], max_new_tokens: int
+    ) -> Measurement:
+        """One timed run of ``row`` on ``prompt_ids`` (``drafter``: the draftwise row's drafter, ``None`` for the
+        other engines' rows)."""
+        self.meter.reset()
+        if row.method in ANCHOR_ROWS:
+            measured = self.anchors[row.method].measure(prompt_ids, max_new_tokens, self.eos, self.sampling)
+        elif row.is_external:
+            measured = measure_hf(
+                transformers_model(self.model), prompt_ids, max_new_tokens, self.eos, row.method, self.sampling,
+                transformers_model(self.draft_model),
+            )
+        else:
+            if drafter is None:
+                raise InvalidRequestError(f"row {row.label} needs its drafter")
+            measured = measure_draftwise(
+                self.model, self.tokenizer, drafter, prompt_ids, max_new_tokens, row.budget, self.latency,
+                self.sampling,
+            )
+        measured.peak_memory_bytes = self.meter.peak_bytes()
+        return measured
+
+
 def planned_runs(prompts: Sequence[Prompt], rows: Sequence[Row], turns: Sequence[int], repeats: int = 1) -> int:
     """How many timed runs a bench of ``prompts`` makes."""
     measured_turns = sum(1 for prompt in prompts for turn in turns if turn <= prompt.turn_count)
@@ -333,34 +398,17 @@ def run_bench(
         raise InvalidRequestError("the rows need 'ar': it is the reference (and later turns build on its answers)")
     if "hf-assisted" in methods and draft_model is None:
         raise InvalidRequestError("hf-assisted needs a draft model (--draft-model)")
-    eos = eos_token_ids(model, tokenizer)
     rows = plan_rows(methods, budgets)
-    latency = LatencyModel.of(as_target(model))
-    meter = PeakMemoryMeter(model.device)
     if drafters is None:
         drafters = build_drafters(rows)
     missing = [row.label for row in rows if not row.is_external and row.label not in drafters]
     if missing:
         raise InvalidRequestError(f"no drafter given for rows {', '.join(missing)}")
-    anchors = anchors or {}
-    unready = [row.label for row in rows if row.method in ANCHOR_ROWS and row.method not in anchors]
-    if unready:
-        raise InvalidRequestError(f"rows {', '.join(unready)} need llama.cpp runners (see Benchmark.prepare)")
+    timer = RowTimer(model, tokenizer, sampling, draft_model, anchors)
+    timer.check_rows(rows)
 
     def measure(row: Row, prompt_ids: Sequence[int], tokens: int) -> Measurement:
-        meter.reset()
-        if row.method in ANCHOR_ROWS:
-            measured = anchors[row.method].measure(prompt_ids, tokens, eos, sampling or SamplingParams())
-        elif row.is_external:
-            measured = measure_hf(
-                transformers_model(model), prompt_ids, tokens, eos, row.method, sampling, transformers_model(draft_model)
-            )
-        else:
-            measured = measure_draftwise(
-                model, tokenizer, pass_drafters[row.label], prompt_ids, tokens, row.budget, latency, sampling
-            )
-        measured.peak_memory_bytes = meter.peak_bytes()
-        return measured
+        return timer.measure(row, pass_drafters.get(row.label), prompt_ids, tokens)
 
     pass_drafters = drafters
 
@@ -615,6 +663,26 @@ class Benchmark:
         warm_up = _encode(self.tokenizer, WARMUP_PROMPT, settings.chat_template)
         return run_batched(self.model, self.tokenizer, prompt_ids, drafters, batch_sizes, settings.max_new_tokens,
                            settings.sampling, warm_up, on_record, settings.repeats)
+
+    def run_interleaved(
+        self,
+        pair: tuple[Row, Row],
+        rounds: int,
+        on_progress: Callable[[str, Prompt, float], None] | None = None,
+        on_round: Callable[[InterleaveRound], None] | None = None,
+    ) -> InterleaveResult:
+        """The A/B comparison of :mod:`~draftwise.bench.interleave`: ``pair`` round by round over the first turns
+        of the prompts; returns its :class:`~draftwise.bench.interleave.InterleaveResult`."""
+        from .interleave import run_interleaved  # (it builds on this module)
+
+        settings = self.settings
+        if settings.budgets or settings.turns != [1] or settings.repeats != 1:
+            raise InvalidRequestError("--interleave runs first turns once a round: drop --sweep, --turns and --repeats")
+        return run_interleaved(
+            self.model, self.tokenizer, self.prompts, pair, rounds, settings.max_new_tokens, settings.sampling,
+            chat_template=settings.chat_template, draft_model=self.draft_model, anchors=self.anchors,
+            on_progress=on_progress, on_round=on_round,
+        )
 
     @property
     def unbatched_rows(self) -> list[str]:

@@ -4,7 +4,7 @@ one forward per step.
 Every sequence keeps its own draft tree, its own accepted length and its own KV cache: no sequence ever sees another's
 keys, and on a target whose products are batch invariant (the lean backend) every sequence's tokens are exactly the
 ones it would get decoded alone. The tree sizes of a step are chosen for the forward as a whole
-(:func:`~draftwise.decoding.engine.size_trees`).
+(:func:`~draftwise.decoding.policy.size_trees`).
 """
 
 from __future__ import annotations

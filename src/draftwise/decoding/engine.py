@@ -7,6 +7,12 @@ drafter for a tree and keep the part that pays for its cost), :func:`verify` (de
 emit), :func:`accept` (append tokens one at a time, ending exactly where plain decoding would) and :func:`update`
 (statistics, and what the drafter learns). :func:`decode` is the loop for one sequence.
 
+The engine is mechanism only; its decisions are its :class:`~draftwise.decoding.policy.DraftingPolicy`'s: whether
+to ask the drafters this step, which of their nodes pay for their verification cost (the cost rule,
+:func:`~draftwise.decoding.policy.size_trees`), when to verify a dropped node anyway
+(:func:`~draftwise.decoding.policy.explore`), and when to pause drafting at a batch size (drafts not worth their
+drafting time, or drafted steps slower than plain ones).
+
 The target (:class:`~draftwise.backend.target.Target`) runs the forward: the draft tree is verified in one forward
 (tree attention) and the target's KV cache keeps exactly the accepted path afterwards.
 """
@@ -23,9 +29,10 @@ import torch
 from ..backend.target import Target, as_target
 from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
+from .policy import DraftingPolicy, size_trees
 from .sampling import Draws, SamplingParams, transform_logits
 from .stats import GenerationStats
-from .tree import ROOT, DraftTree
+from .tree import DraftTree
 from .verify import Verification, greedy_choice, verify_greedy, verify_probabilistic, verify_sampled
 
 #: Default upper bound on draft nodes per step. On a 2-core CPU a forward of 16 rows costs about 2x one row.
@@ -112,96 +119,12 @@ def draft(
     drafter: Drafter, context: Sequence[int], budget: int, max_depth: int, latency: LatencyModel | None = None
 ) -> DraftTree:
     """``drafter``'s tree for ``context``, cut to ``budget`` nodes and ``max_depth`` levels; with ``latency``, of a
-    scored tree only the best nodes that pay for their verification cost are kept (see :func:`size_trees`)."""
+    scored tree only the best nodes that pay for their verification cost are kept (see
+    :func:`~draftwise.decoding.policy.size_trees`)."""
     if max_depth <= 0 or budget <= 0:
         return DraftTree()
     tree = drafter.propose(context, budget).cut(budget, max_depth)
     return size_trees([tree], latency)[0] if latency is not None else tree
-
-
-def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftTree]:
-    """The trees of one forward, cut to the nodes that pay for the forward's cost as a whole.
-
-    Every sequence's root row is verified anyway; of all scored nodes, across the sequences, the best ``k`` are kept
-    with ``k`` maximising expected tokens per second, ``(sequences + sum of kept scores) / time(rows)``, so a large
-    batch, whose forward already costs more per row, verifies fewer drafts, none once they stop paying. Unscored
-    trees are verified whole. Where a kept set branches, the forward is priced as a tree's, and the same choice over
-    each tree's best path alone (priced as chains) wins when it gives more tokens per second.
-    """
-    sized, rate = _best_nodes(trees, latency)
-    if any(tree.scores is not None and not tree.is_chain for tree in trees):
-        paths, path_rate = _best_nodes([tree if tree.scores is None else tree.best_path() for tree in trees], latency)
-        if path_rate > rate:
-            return paths
-    return sized
-
-
-def _best_nodes(trees: Sequence[DraftTree], latency: LatencyModel) -> tuple[list[DraftTree], float]:
-    """:func:`size_trees`'s cut of ``trees`` (their best nodes across sequences) and its expected tokens per
-    second."""
-    rows = sum(1 + (len(tree) if tree.scores is None else 0) for tree in trees)
-    branching = any(tree.scores is None and not tree.is_chain for tree in trees)
-    expected = float(rows)
-    ranked = sorted(
-        (
-            (-score, tree.depths[node], index, node)
-            for index, tree in enumerate(trees)
-            if tree.scores is not None
-            for node, score in enumerate(tree.scores)
-        )
-    )
-    sequences = len(trees)
-    best_count, best_rate = 0, expected / latency.cost(rows, sequences, branching)
-    # A parent comes before its children in this order (its score is at least theirs, and it is shallower), so the
-    # first ``count`` nodes are closed under parents; they branch once two of them share a parent.
-    parents_taken: set[tuple[int, int]] = set()
-    for count, (negative_score, _, index, node) in enumerate(ranked, 1):
-        expected -= negative_score
-        parent = (index, trees[index].parents[node])
-        branching = branching or parent in parents_taken
-        parents_taken.add(parent)
-        rate = expected / latency.cost(rows + count, sequences, branching)
-        if rate > best_rate:
-            best_count, best_rate = count, rate
-    kept = [0] * len(trees)
-    for _, _, index, _ in ranked[:best_count]:
-        kept[index] += 1
-    return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)], best_rate
-
-
-def explore(trees: Sequence[DraftTree]) -> list[DraftTree]:
-    """The single best-scored node of ``trees`` (its tree cut to it, every other tree emptied), verified although
-    the cost rule dropped it.
-
-    Drafters learn their acceptance from verified nodes only: a source whose estimate fell below break-even (a few
-    unlucky early prompts) would never be verified again, so never corrected, even where it would now pay. One
-    node every :attr:`Decoder.EXPLORE_EVERY` steps costs one row; unscored trees are never dropped, so never
-    explored."""
-    best = max(
-        ((max(tree.scores), index) for index, tree in enumerate(trees) if tree.scores),
-        default=None,
-        key=lambda entry: (entry[0], -entry[1]),
-    )
-    return [tree.best(1) if best is not None and index == best[1] else DraftTree() for index, tree in enumerate(trees)]
-
-
-def scored_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
-    """``tree`` with scores estimated from the sequence's acceptance so far, for drafters that give none: a node's
-    score is its parent's times the rate at which drafts at its depth were accepted once reached (Laplace-smoothed),
-    shared evenly among its siblings; so a batch can price such drafts against its forward's cost like scored ones."""
-    if tree.scores is not None or not len(tree):
-        return tree
-    children = [0] * (len(tree) + 1)  # by parent row: the root is row 0
-    for parent in tree.parents:
-        children[parent + 1] += 1
-    scores: list[float] = []
-    for node, parent in enumerate(tree.parents):
-        depth = tree.depths[node] - 1
-        attempts = stats.attempts_per_position[depth] if depth < len(stats.attempts_per_position) else 0
-        accepts = stats.accepts_per_position[depth] if depth < len(stats.accepts_per_position) else 0
-        base = 1.0 if parent == ROOT else scores[parent]
-        scores.append(base * (accepts + 1) / (attempts + 2) / children[parent + 1])
-    return DraftTree(tree.tokens, tree.parents, tuple(scores), tree.draft_probs)
 
 
 def verify(
@@ -263,90 +186,28 @@ class Decoder:
         budget: most draft nodes verified per step.
         latency: forward-time model used to size drafts (learned from this decoder's forwards when not given; pass
             one in to share it between decoders on one model).
+        policy: decides when to draft and which drafts to verify (a :class:`~draftwise.decoding.policy.DraftingPolicy`
+            over ``latency`` when not given; a given policy's latency model is the decoder's, and ``latency``, if
+            given too, must be that same model).
     """
 
-    def __init__(self, target: Any, *, budget: int = DEFAULT_BUDGET, latency: LatencyModel | None = None) -> None:
+    def __init__(
+        self,
+        target: Any,
+        *,
+        budget: int = DEFAULT_BUDGET,
+        latency: LatencyModel | None = None,
+        policy: DraftingPolicy | None = None,
+    ) -> None:
         self.target: Target = as_target(target)
         # A target whose verification rows are not bitwise plain decoding's here verifies no drafts.
         self.budget = budget if self.target.exact_trees else 0
-        self.latency = latency if latency is not None else LatencyModel.of(self.target)
-        # By batch size: steps left without drafting, and the current pause length (see _judge_drafting).
-        self._pauses: dict[int, list[int]] = {}
-        # By batch size: measured tokens per second of steps with and without drafts (see _judge_by_throughput).
-        self._rates: dict[int, dict[bool, tuple[float, int]]] = {}
-        self._throughput_pauses: dict[int, int] = {}
-        # By batch size: steps with drafts since the last one without.
-        self._since_plain: dict[int, int] = {}
-        # By batch size: steps since one verified a draft node (see explore).
-        self._since_drafts: dict[int, int] = {}
-
-    #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
-    MAX_DRAFT_PAUSE = 64
-    #: Weight of a step in the measured rates of steps with and without drafts, and how many steps of each kind are
-    #: measured before they are compared (see :meth:`_judge_by_throughput`).
-    RATE_SMOOTHING = 0.2
-    RATE_MIN_STEPS = 4
-    #: Of several sequences, steps with drafts after which one runs without, so that the rate of plain steps at the
-    #: batch size is measured and kept current: when every step drafts something, nothing else would measure it.
-    PLAIN_STEP_EVERY = 32
-    #: Steps without a verified draft node after which, when the cost rule drops every node on offer, the best one is
-    #: verified anyway (see :func:`explore`).
-    EXPLORE_EVERY = 16
-
-    def _longer_pause(self, length: int) -> int:
-        """The next pause in drafting after one of ``length`` steps: 1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`."""
-        return min(max(1, 2 * length), self.MAX_DRAFT_PAUSE)
-
-    def _judge_by_throughput(self, sequences: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """Of several sequences, pause drafting at this batch size while steps with drafts have emitted fewer tokens
-        per second than steps without (moving averages of measured steps, drafting included), with the same backoff
-        as :meth:`_judge_drafting`. The cost rule prices drafts from estimates; in a batch the first draft brings
-        costs those see late (its rows' wider attention products, linear products past the memory-bound regime), and
-        this keeps a batch from running slower than plain decoding. Where steps without drafts are rare (drafters
-        that always propose something), one is run now and then to measure them (:attr:`PLAIN_STEP_EVERY`, and
-        every other step until :attr:`RATE_MIN_STEPS` are measured). Batch 1 keeps the cost rule alone."""
-        if sequences < 2 or seconds <= 0:
-            return
-        rates = self._rates.setdefault(sequences, {})
-        rate = tokens / seconds
-        previous, count = rates.get(drafted, (rate, 0))
-        rates[drafted] = (previous + self.RATE_SMOOTHING * (rate - previous), count + 1)
-        since_plain = self._since_plain[sequences] = self._since_plain.get(sequences, 0) + 1 if drafted else 0
-        plain_steps = rates.get(False, (0.0, 0))[1]
-        pause = self._pauses.setdefault(sequences, [0, 0])
-        if drafted and (since_plain >= self.PLAIN_STEP_EVERY or plain_steps < self.RATE_MIN_STEPS):
-            pause[0] = max(pause[0], 1)  # the next step at this batch size runs without drafts
-        if not drafted or any(rates.get(kind, (0.0, 0))[1] < self.RATE_MIN_STEPS for kind in (True, False)):
-            return
-        if rates[True][0] < rates[False][0]:
-            length = self._longer_pause(self._throughput_pauses.get(sequences, 0))
-            self._throughput_pauses[sequences] = length
-            pause[0] = max(pause[0], length)
-        else:
-            self._throughput_pauses[sequences] = 0
-
-    def _judge_drafting(self, trees: Sequence[DraftTree], draft_seconds: float) -> None:
-        """Pause drafting at this batch size when this step's drafts were not worth their drafting time.
-
-        The kept nodes' expected gain, ``(sequences + sum of kept scores) / (forward time + drafting time)``, is set
-        against plain steps (``sequences / forward time``). When drafting loses, drafters are not asked for the
-        next few steps at this batch size (1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`), then tried again; at large
-        batch, where the forward is dear and every sequence's drafting adds up, speculation then stops by itself.
-        """
-        if any(tree.scores is None for tree in trees):
-            return
-        sequences = len(trees)
-        kept = sum(len(tree) for tree in trees)
-        expected = sequences + sum(sum(tree.scores) for tree in trees)
-        branching = any(not tree.is_chain for tree in trees)
-        with_drafts = expected / (self.latency.cost(sequences + kept, sequences, branching) + draft_seconds)
-        without = sequences / self.latency.cost(sequences, sequences)
-        pause = self._pauses.setdefault(sequences, [0, 0])
-        if with_drafts > without:
-            pause[1] = 0
-        else:
-            pause[1] = self._longer_pause(pause[1])
-            pause[0] = pause[1]
+        if policy is not None and latency is not None and policy.latency is not latency:
+            raise ValueError("the policy must price drafts with the decoder's latency model (pass one or the other)")
+        if latency is None:
+            latency = policy.latency if policy is not None else LatencyModel.of(self.target)
+        self.latency = latency
+        self.policy = policy if policy is not None else DraftingPolicy(latency)
 
     def start(
         self,
@@ -399,15 +260,17 @@ class Decoder:
 
     @torch.inference_mode()
     def step(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
-        """One draft -> verify -> accept -> update step of every unfinished sequence (finished ones emit nothing)."""
+        """One draft -> verify -> accept -> update step of every unfinished sequence (finished ones emit nothing).
+
+        The policy says whether to ask the drafters, then chooses which of their drafts to verify; the target
+        verifies them in one forward, each sequence accepts its tokens and updates, and the policy hears how the
+        step went."""
         active = [sequence for sequence in sequences if not sequence.finished]
         step_started = time.perf_counter()
         limit = self.target.context_length
         trees: list[DraftTree] = []
         contexts: list[tuple[int, ...]] = []
-        pause = self._pauses.setdefault(len(active), [0, 0])
-        drafting = pause[0] == 0
-        pause[0] = max(0, pause[0] - 1)
+        drafting = self.policy.drafting(len(active))
         draft_seconds = 0.0
         for sequence in active:
             started = time.perf_counter()
@@ -422,20 +285,13 @@ class Decoder:
             elapsed = time.perf_counter() - started
             sequence.stats.draft_time_s += elapsed
             draft_seconds += elapsed
-        offered = sum(len(tree) for tree in trees)
-        if len(active) > 1:  # a batch prices every draft (alone, a drafter's unscored tree is verified whole)
-            trees = [scored_by_acceptance(tree, sequence.stats) for tree, sequence in zip(trees, active)]
-            if self.target.batch_chains:
-                trees = [tree.best_path() for tree in trees]
-        offers, trees = trees, size_trees(trees, self.latency)
-        since_drafts = self._since_drafts.get(len(active), 0) + 1
-        exploring = offered > 0 and since_drafts >= self.EXPLORE_EVERY and not any(len(tree) for tree in trees)
-        if exploring:
-            trees = explore(offers)
-        elif offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
-            self._judge_drafting(trees, draft_seconds)
-        drafted = any(len(tree) for tree in trees)
-        self._since_drafts[len(active)] = 0 if drafted else since_drafts
+        choice = self.policy.choose(
+            trees,
+            [sequence.stats for sequence in active],
+            draft_seconds=draft_seconds,
+            batch_chains=self.target.batch_chains,
+        )
+        trees = choice.trees
         want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
         forward_started = time.perf_counter()
         output = self.target.forward(
@@ -459,10 +315,13 @@ class Decoder:
             update(sequence, tree, verification, logits, context, event, hidden)
             sequence.stats.time_s = time.perf_counter() - sequence.started
             events_by_sequence[id(sequence)] = event
-        if not exploring:  # (an exploring step is not expected to pay: it says nothing of drafting's rate)
-            self._judge_by_throughput(len(active), drafted,
-                                      sum(len(verification.tokens) for verification, _ in verifications),
-                                      time.perf_counter() - step_started)
+        self.policy.after_step(
+            len(active),
+            choice.drafted,
+            sum(len(verification.tokens) for verification, _ in verifications),
+            time.perf_counter() - step_started,
+            exploring=choice.exploring,
+        )
         return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]
 
 

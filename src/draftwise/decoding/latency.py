@@ -1,5 +1,5 @@
 """How long a verification forward takes for a given number of rows, learned while decoding, and the draft size
-that maximises expected tokens per second (see :func:`draftwise.decoding.engine.size_trees`).
+that maximises expected tokens per second (see :func:`draftwise.decoding.policy.size_trees`).
 
 On a CPU the cost of a forward grows quickly and unevenly with the number of rows (kernel switches), so a fixed
 draft budget either wastes time on unlikely nodes or leaves speed unused. Each step the engine keeps the ``k``
@@ -18,7 +18,7 @@ from typing import Any
 
 #: Relative forward time by rows when nothing was measured: a neutral shape (every row costs a little, more so as
 #: rows grow). Targets loaded by :func:`draftwise.load_model` come with a curve measured on the running machine
-#: (:mod:`draftwise.backend.costs`), and measured times replace either as soon as each row count has been seen.
+#: (:mod:`draftwise.backend.calibration.costs`), and measured times replace either as soon as each row count has been seen.
 GENERIC_PRIOR: dict[int, float] = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 1.9, 32: 2.9, 64: 4.9}
 
 

@@ -7,7 +7,7 @@ the context and the rest is fed in one forward, so its state always equals a fre
 **Trees.** From the root's draft distribution ``q``, the ``width`` best tokens (greedy) or ``width`` tokens drawn
 without replacement (sampling) become nodes scored by their cumulative draft probability. Each level then expands
 the ``width`` best-scoring nodes of the level before, and the engine keeps the globally best nodes that pay for
-their verification (:func:`~draftwise.decoding.engine.size_trees`). ``width=1`` (the default) is a plain chain,
+their verification (:func:`~draftwise.decoding.policy.size_trees`). ``width=1`` (the default) is a plain chain,
 whose drafted rows stay in the draft cache for the next step. A level is only
 drafted while its expected accepted tokens are worth more target time than the level's own forward costs.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..backend.lean import LeanTarget
+from ..backend.forward.lean import LeanTarget
 from ..backend.rows import CACHE, RowBlock
 from ..backend.target import Target
 from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome

@@ -9,7 +9,7 @@ and the cache is rolled back to its committed length after each proposal, so the
 **The skip set is searched online, as SWIFT does.** A candidate set is scored by its *matchness*: the share of a
 window of tokens the model already generated (the first ``window + 1`` of a sequence's output) whose next token the
 skipped model's argmax predicts, all positions in one forward of the skipped model over the committed cache
-(:meth:`~draftwise.backend.lean.LeanTarget.skipped_logits`, which leaves the cache bitwise as it was). One
+(:meth:`~draftwise.backend.forward.lean.LeanTarget.skipped_logits`, which leaves the cache bitwise as it was). One
 candidate is scored per decoding step, drafted or not (a set that does not pay must not stall the search): random sets
 of the configured size, and every ``bayes_interval``-th one the suggestion of a Bayesian optimiser (a Gaussian process
 over the sets scored so far, by `bayesian-optimization`_). A candidate that scores above the best replaces it; the
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from bayes_opt import BayesianOptimization, acquisition
 
-from ..backend.lean import LayerSkip, LeanTarget
+from ..backend.forward.lean import LayerSkip, LeanTarget
 from ..backend.rows import RowBlock
 from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
 from ..decoding.latency import LatencyModel

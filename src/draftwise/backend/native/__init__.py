@@ -2,20 +2,22 @@
 
 :func:`ragged_attention` is one layer's attention for every row of a verification forward (lone rows, chains, tree
 nodes, of any number of sequences) in one call that reads each sequence's cache in place. The library path it
-replaces (:mod:`draftwise.backend.attention`) spends about 28 small operations per layer on what is a few
+replaces (:mod:`draftwise.backend.forward.attention`) spends about 28 small operations per layer on what is a few
 thousand multiply-adds per row, and concatenates the caches of a batch at every layer. :func:`rms_norm`,
 :func:`rotate_queries_keys` and :func:`silu_mul` do the forward's row-wise steps in one call each, where torch
 takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. ``blocked_linear``
-(float32 on CPUs with AVX-512, bfloat16 with avx512_bf16, see :mod:`draftwise.backend.linear`) is the linear
+(float32 on CPUs with AVX-512, bfloat16 with avx512_bf16, see :mod:`draftwise.backend.weights.products`) is the linear
 products over weights packed once by ``pack_blocked_weight``; :func:`top_tokens` ranks the rows of logits (the
 greedy token, the top predictions some drafters keep). Every kernel computes a row from that row alone, in an
 order fixed by its position and width, so a row's bits never depend on the call's size.
 
 The extension is built from its sources with the machine's compiler the first time it is needed (about a minute,
 through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed
-by the sources, the torch version and the CPU's flags, so a machine with other vector units builds its own. Where it
-cannot be built (no compiler), :func:`load_kernels` says why and the lean forward keeps the library path, which is
-as exact, only slower.
+by the sources, the torch version and the CPU's flags, so a machine with other vector units builds its own. The
+sources build for x86 CPUs with or without AVX, AVX2 or AVX-512, and for aarch64: x86 intrinsics sit behind the
+macros of the vector units they need, each with a portable fallback. Where the extension cannot be built (no
+compiler), :func:`load_kernels` says why and the lean forward keeps the library path, which is as exact, only
+slower.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..machine import cache_root, cpu_flags
+from ..calibration.machine import cache_root, cpu_flags
 
 FOLDER = Path(__file__).parent
 #: The extension's sources (the Python module is defined in module.cpp).

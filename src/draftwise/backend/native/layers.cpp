@@ -1,9 +1,13 @@
 // The decoder layers of the lean forward in one call: the same kernels, in the same order, as the Python loop over
-// layers (draftwise.backend.lean), without its per-operation dispatch. A forward is about ten kernel calls per layer;
+// layers (draftwise.backend.forward.lean), without its per-operation dispatch. A forward is about ten kernel calls per layer;
 // from Python each also pays its argument conversion and the interpreter's own work: 0.3-0.4 ms of a 30-layer
 // SmolLM2 forward (4.3-4.6 ms for one row), whatever its row count.
 
 #include "kernels.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
 
 #include <utility>
 
@@ -12,8 +16,8 @@ constexpr int kProducts = 4;  // qkv, output, gate_up, down
 enum Product { kQkv = 0, kOutput = 1, kGateUp = 2, kDown = 3 };
 }  // namespace
 
-DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
-                             std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out_features,
+DecoderLayers::DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
+                             std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> out_features,
                              int64_t heads, int64_t kv_heads, double eps, double scale)
     : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)),
       out_features_(std::move(out_features)), heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
@@ -25,24 +29,24 @@ DecoderLayers::DecoderLayers(std::vector<torch::Tensor> norms, std::vector<torch
 }
 
 // A linear product with at least ``min_rows`` rows (zeros past the inputs'), the rows of ``inputs`` returned, as
-// draftwise.backend.linear.Linear computes it.
-torch::Tensor DecoderLayers::product(const torch::Tensor& inputs, int64_t layer, int which, int64_t min_rows) const {
+// draftwise.backend.weights.products.Linear computes it.
+at::Tensor DecoderLayers::product(const at::Tensor& inputs, int64_t layer, int which, int64_t min_rows) const {
     const int64_t rows = inputs.size(0);
-    torch::Tensor padded = inputs.stride(1) == 1 ? inputs : inputs.contiguous();
-    if (rows < min_rows) padded = torch::cat({padded, padded.new_zeros({min_rows - rows, padded.size(1)})});
+    at::Tensor padded = inputs.stride(1) == 1 ? inputs : inputs.contiguous();
+    if (rows < min_rows) padded = at::cat({padded, padded.new_zeros({min_rows - rows, padded.size(1)})});
     const size_t index = kProducts * layer + which;
     auto output = blocked_linear(padded, weights_[index], biases_[index], out_features_[which]);
     return rows < min_rows ? output.narrow(0, 0, rows) : output;
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecoderLayers::run(
-    torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t min_rows,
-    const std::vector<torch::Tensor>& key_caches, const std::vector<torch::Tensor>& value_caches,
-    const torch::Tensor& row_sequence, const torch::Tensor& row_committed, const torch::Tensor& path_offsets,
-    const torch::Tensor& path_rows) const {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
+    at::Tensor hidden, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t min_rows,
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+    const at::Tensor& row_sequence, const at::Tensor& row_committed, const at::Tensor& path_offsets,
+    const at::Tensor& path_rows) const {
     const int64_t rows = hidden.size(0), dim = cos.size(1);
     const int64_t values_from = (heads_ + kv_heads_) * dim;
-    std::vector<torch::Tensor> keys, values;
+    std::vector<at::Tensor> keys, values;
     keys.reserve(size());
     values.reserve(size());
     for (int64_t layer = 0; layer < size(); ++layer) {
@@ -58,5 +62,5 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecoderLayers::run(
         keys.push_back(std::move(layer_keys));
         values.push_back(std::move(layer_values));
     }
-    return {hidden, torch::stack(keys), torch::stack(values)};
+    return {hidden, at::stack(keys), at::stack(values)};
 }

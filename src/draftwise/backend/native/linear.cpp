@@ -11,8 +11,13 @@
 // run in one pass or in chunks (the sums wait in memory as float32), so a row's bits never depend on how many rows
 // the call holds: these products are batch invariant by construction, from one row.
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Optional.h>
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -236,7 +241,7 @@ std::vector<std::string> blocked_linear_dtypes() {
 }
 
 // weight: (N, K) float32 or bfloat16 (K even). Returns the packed layout above (outputs past N zero).
-torch::Tensor pack_blocked_weight(const torch::Tensor& weight) {
+at::Tensor pack_blocked_weight(const at::Tensor& weight) {
     TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
                 "weight: (out, in) float32 or bfloat16");
     const int64_t per_step = inputs_per_step(weight.scalar_type());
@@ -250,8 +255,8 @@ torch::Tensor pack_blocked_weight(const torch::Tensor& weight) {
 
 // inputs: (rows, K) in the packing's dtype, unit column stride; packed: from pack_blocked_weight; bias: (N,) or
 // empty. Returns (rows, N).
-torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& packed,
-                             const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
     const auto dtype = packed.scalar_type();
     TORCH_CHECK(runs(dtype), "blocked_linear does not run ", dtype, " on this machine");
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == dtype && inputs.stride(1) == 1,
@@ -267,7 +272,7 @@ torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& p
         TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                         bias->scalar_type() == dtype,
                     "bias: (out,) in the weights' dtype");
-    auto output = torch::empty({rows, out_features}, inputs.options());
+    auto output = at::empty({rows, out_features}, inputs.options());
 #if defined(__AVX512F__)
     const bool chunked = rows > 1 && rows <= kMostChunkedRows;
     if (dtype == at::kFloat) {
@@ -276,7 +281,7 @@ torch::Tensor blocked_linear(const torch::Tensor& inputs, const torch::Tensor& p
             biased ? bias->data_ptr<float>() : nullptr, output.data_ptr<float>(), out_features);
     } else {
 #if defined(__AVX512BF16__)
-        auto raw = [](const torch::Tensor& tensor) { return reinterpret_cast<uint16_t*>(tensor.data_ptr<at::BFloat16>()); };
+        auto raw = [](const at::Tensor& tensor) { return reinterpret_cast<uint16_t*>(tensor.data_ptr<at::BFloat16>()); };
         const auto run = chunked ? product_in_chunks<Bfloat16Step> : product<Bfloat16Step>;
         run(raw(inputs), inputs.stride(0), rows, raw(packed), tiles, steps, biased ? raw(*bias) : nullptr, raw(output),
             out_features);

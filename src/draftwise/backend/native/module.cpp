@@ -1,6 +1,8 @@
 // The extension's Python module: the kernels of ragged_attention.cpp, row_ops.cpp, linear.cpp and ranking.cpp, and
 // the decoder layer loop of layers.cpp.
 
+#include <torch/extension.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

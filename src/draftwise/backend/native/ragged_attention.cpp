@@ -15,8 +15,9 @@
 // A row reads its sequence's committed positions in place from the block-major cache ``(layers, blocks, kv_heads,
 // block, head_dim)`` and this forward's rows on its path (its ancestors, then itself) from the new keys and values.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,7 +44,7 @@ struct Scratch {
 };
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
-// Positions per block of the caches (draftwise.backend.lean.BLOCK), known when compiling: a division by a variable
+// Positions per block of the caches (draftwise.backend.forward.lean.BLOCK), known when compiling: a division by a variable
 // for every key and value, in the innermost loops, cost 6-11% of the kernel's time (and a variable shift more).
 constexpr int64_t kCacheBlock = 64;
 // Positions ahead whose cached keys and values are prefetched: a sequence's cache is read in runs of one block
@@ -73,12 +74,13 @@ struct SequenceView {
     }
 };
 
-// Asks for one cached head vector (``dim`` elements) ahead of its use.
+// Asks for one cached head vector (``dim`` elements) ahead of its use, into every level of cache (for reading,
+// high locality: prefetcht0 on x86, as _mm_prefetch(..., _MM_HINT_T0) gives; the machine's own hint elsewhere).
 template <typename scalar_t>
 inline void prefetch(const scalar_t* vector, int64_t dim) {
     const char* bytes = reinterpret_cast<const char*>(vector);
     for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
-        _mm_prefetch(bytes + offset, _MM_HINT_T0);
+        __builtin_prefetch(bytes + offset, 0, 3);
 }
 
 // The committed value kPrefetchAhead positions past ``position`` (if it exists), ahead of its use.
@@ -592,11 +594,11 @@ void attend_sequence(int64_t group, const SequenceView<scalar_t>& view, const sc
 // query: (rows, heads, dim); new_keys, new_values: (rows, kv_heads, dim); key_caches, value_caches: per sequence,
 // (layers, blocks, kv_heads, block, dim); row_sequence, row_committed: (rows,); path_offsets: (rows + 1,);
 // path_rows: this forward's rows on each row's path, in position order. Returns (rows, heads * dim).
-torch::Tensor ragged_attention(
-    const torch::Tensor& query, const torch::Tensor& new_keys, const torch::Tensor& new_values,
-    const std::vector<torch::Tensor>& key_caches, const std::vector<torch::Tensor>& value_caches, int64_t layer,
-    const torch::Tensor& row_sequence, const torch::Tensor& row_committed, const torch::Tensor& path_offsets,
-    const torch::Tensor& path_rows) {
+at::Tensor ragged_attention(
+    const at::Tensor& query, const at::Tensor& new_keys, const at::Tensor& new_values,
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches, int64_t layer,
+    const at::Tensor& row_sequence, const at::Tensor& row_committed, const at::Tensor& path_offsets,
+    const at::Tensor& path_rows) {
     TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query: contiguous (rows, heads, dim)");
     // New keys and values may be column slices of a wider projection (rows apart by any stride).
     for (const auto* fresh : {&new_keys, &new_values})
@@ -619,7 +621,7 @@ torch::Tensor ragged_attention(
     const int64_t* committed_of = row_committed.data_ptr<int64_t>();
     const int64_t* offsets = path_offsets.data_ptr<int64_t>();
     const int64_t* paths = path_rows.data_ptr<int64_t>();
-    auto output = torch::empty({rows, heads * dim}, query.options());
+    auto output = at::empty({rows, heads * dim}, query.options());
 
     auto run = [&](auto zero) {
         using scalar_t = decltype(zero);

@@ -5,8 +5,9 @@
 // Ties go to the lower index (torch.argmax's rule; torch.topk leaves their order open). A row holding NaN is not
 // ranked here: the call reports it and the caller ranks with torch, which puts NaN above everything.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <atomic>
 #include <cmath>
@@ -22,7 +23,7 @@ using namespace draftwise;
 // Most tokens a call ranks per row (callers fall back to torch past it).
 constexpr int64_t kMaxTop = 64;
 // Rows per thread below which a call stays on one thread.
-constexpr int64_t kRowsPerTask = 4;
+constexpr int64_t kRankedRowsPerTask = 4;
 
 // Bit ``lane`` set where lane ``lane`` of ``lanes`` is non-zero.
 inline uint32_t lane_mask(ints16 lanes) {
@@ -95,18 +96,18 @@ bool rank_row(const scalar_t* row, int64_t width, int64_t k, int64_t* out) {
 // logits: (rows, width) float32, bfloat16 or float16, each row contiguous; 1 <= k <= min(width, 64). Returns the
 // (rows, k) int64 indices of each row's k largest values, best first, and whether every row was free of NaN (where
 // not, the indices are not to be used).
-std::tuple<torch::Tensor, bool> top_tokens(const torch::Tensor& logits, int64_t k) {
+std::tuple<at::Tensor, bool> top_tokens(const at::Tensor& logits, int64_t k) {
     TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits: (rows, width), each row contiguous");
     const int64_t rows = logits.size(0), width = logits.size(1);
     TORCH_CHECK(k >= 1 && k <= width && k <= kMaxTop, "k: 1 to min(width, ", kMaxTop, ")");
-    auto output = torch::empty({rows, k}, logits.options().dtype(at::kLong));
+    auto output = at::empty({rows, k}, logits.options().dtype(at::kLong));
     std::atomic<bool> ranked{true};
     dispatch(logits, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = logits.data_ptr<scalar_t>();
         int64_t* out = output.data_ptr<int64_t>();
         const int64_t stride = logits.stride(0);
-        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, rows, kRankedRowsPerTask, [&](int64_t begin, int64_t end) {
             for (int64_t row = begin; row < end; ++row)
                 if (!rank_row(in + row * stride, width, k, out + row * k)) ranked = false;
         });

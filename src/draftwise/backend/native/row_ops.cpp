@@ -8,8 +8,10 @@
 // ``min_rows``: the outputs that feed a linear product get at least that many rows, the extra ones zero, so the
 // product runs at the row count the machine's kernel is fastest and invariant at without another copy.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -95,19 +97,19 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
     }
 }
 
-void check_rows(const torch::Tensor& tensor, const char* name) {
+void check_rows(const at::Tensor& tensor, const char* name) {
     TORCH_CHECK(tensor.dim() == 2 && tensor.stride(1) == 1, name, ": (rows, width), each row contiguous");
 }
 
 // The output of ``rows`` rows of ``width``, with at least ``min_rows`` rows: those past ``rows`` zero.
-torch::Tensor padded_output(int64_t rows, int64_t min_rows, int64_t width, const torch::TensorOptions& options) {
-    return min_rows > rows ? torch::zeros({min_rows, width}, options) : torch::empty({rows, width}, options);
+at::Tensor padded_output(int64_t rows, int64_t min_rows, int64_t width, const at::TensorOptions& options) {
+    return min_rows > rows ? at::zeros({min_rows, width}, options) : at::empty({rows, width}, options);
 }
 
 }  // namespace
 
 // hidden: (rows, dim); weight: (dim,). Returns (max(rows, min_rows), dim), the extra rows zero.
-torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps, int64_t min_rows) {
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t min_rows) {
     check_rows(hidden, "hidden");
     const int64_t rows = hidden.size(0), dim = hidden.size(1);
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight: (dim,)");
@@ -128,7 +130,7 @@ torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight,
 }
 
 // gate_up: (rows, 2 * width), the gate's columns first. Returns silu(gate) * up, (max(rows, min_rows), width).
-torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t rows, int64_t min_rows) {
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t rows, int64_t min_rows) {
     check_rows(gate_up, "gate_up");
     TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
     TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
@@ -150,8 +152,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t rows, int64_t min_r
 // qkv: (rows, (heads + 2 kv_heads) dim), the rows' fused projections (only the first ``rows`` are read); cos,
 // signed_sin: (rows, dim), each row's position's. Returns the rotated queries times ``scale``, (rows, heads, dim),
 // and the rotated keys, (rows, kv_heads, dim); the values stay in qkv.
-std::tuple<torch::Tensor, torch::Tensor> rotate_queries_keys(
-    const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t rows, int64_t heads,
+std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows, int64_t heads,
     int64_t kv_heads, double scale) {
     check_rows(qkv, "qkv");
     TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == signed_sin.sizes(),
@@ -161,8 +163,8 @@ std::tuple<torch::Tensor, torch::Tensor> rotate_queries_keys(
     TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: (rows, (heads + 2 kv_heads) dim)");
     TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && signed_sin.scalar_type() == qkv.scalar_type(),
                 "cos and sin in qkv's dtype");
-    auto queries = torch::empty({rows, heads, dim}, qkv.options());
-    auto keys = torch::empty({rows, kv_heads, dim}, qkv.options());
+    auto queries = at::empty({rows, heads, dim}, qkv.options());
+    auto keys = at::empty({rows, kv_heads, dim}, qkv.options());
     dispatch(qkv, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = qkv.data_ptr<scalar_t>();

@@ -3,15 +3,19 @@
 // makes the kernels' results independent of how many rows a call holds.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
 
 namespace draftwise {
 
-// Sixteen floats: one AVX-512 register, two AVX2 ones; GCC's vector extensions keep the arithmetic the same on both.
+// Sixteen floats: one AVX-512 register, two AVX2 ones, four SSE or NEON ones; GCC's vector extensions keep the
+// arithmetic the same on all of them. x86 intrinsics appear only behind the macros of the vector units they need,
+// each with a portable fallback, so the kernels build for x86 without AVX and for aarch64 too.
 typedef float floats16 __attribute__((vector_size(64)));
 typedef int32_t ints16 __attribute__((vector_size(64)));
 typedef uint32_t words16 __attribute__((vector_size(64)));
@@ -20,7 +24,7 @@ constexpr int kLanes = 16;
 
 // Calls ``function`` with a value of the C++ type of ``tensor``'s dtype (float32, bfloat16 or float16).
 template <typename Function>
-void dispatch(const torch::Tensor& tensor, Function&& function) {
+void dispatch(const at::Tensor& tensor, Function&& function) {
     switch (tensor.scalar_type()) {
         case at::kFloat: function(float{}); break;
         case at::kBFloat16: function(c10::BFloat16{}); break;
@@ -78,8 +82,8 @@ inline floats16 load_chunk(const scalar_t* vector, int64_t c, int64_t dim) {
     return left >= kLanes ? load16(vector + c * kLanes) : load_partial(vector + c * kLanes, left);
 }
 
-// a * b + c, rounded once where the machine has fused multiply-adds (every call site rounds alike either way: the
-// build never contracts products and sums by itself).
+// a * b + c, rounded once where the machine has fused multiply-adds (x86 with AVX-512 or FMA), twice elsewhere (every
+// call site rounds alike either way: the build never contracts products and sums by itself).
 inline floats16 multiply_add(floats16 a, floats16 b, floats16 c) {
 #if defined(__AVX512F__)
     return (floats16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);

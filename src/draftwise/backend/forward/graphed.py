@@ -17,7 +17,7 @@ a sequence has the same shape, so that one captured graph replays it with one la
   other rows.
 
 So every row of a verification step is bitwise what plain one-row decoding computes at its position, in every
-dtype, with no row plan to measure: :func:`draftwise.backend.invariance.plan_rows` still checks it on the running
+dtype, with no row plan to measure: :func:`draftwise.backend.calibration.invariance.plan_rows` still checks it on the running
 machine. Each cache owns a captured graph (captured at its first step; caches are pooled, so a finished sequence's
 buffers and graph serve the next one). The same step runs eagerly, bitwise alike, where no graph can run: on CPUs
 (tests), and for layer-skipping drafts. Batches run one graph replay per sequence.
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from .lean import BLOCK, LayerSkip, LeanTarget
-from .rows import CACHE, RowBlock, is_chain
-from .target import ForwardOutput
+from ..rows import CACHE, RowBlock, is_chain
+from ..target import ForwardOutput
 
 #: Rows of every step: a product of 64 rows costs about what one row does on a GPU.
 STEP_ROWS = 64
@@ -103,12 +103,9 @@ class GraphedLeanTarget(LeanTarget):
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
     """
 
-    #: Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
-    fixed_row_plan = True
-
     def __init__(self, model: Any, span: int | None = None, graphs: bool | None = None) -> None:
-        super().__init__(model, kernel=False)
-        super().set_row_plan(STEP_ROWS, STEP_ROWS, linear_fixed=True)
+        # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
+        super().__init__(model, STEP_ROWS, STEP_ROWS, kernel=False, linear_fixed=True)
         self.span = self.context_length if span is None else int(span)
         if not 0 < self.span <= self.context_length:
             raise ValueError(f"span must be 1..{self.context_length} (the model's context), not {span}")
@@ -128,9 +125,6 @@ class GraphedLeanTarget(LeanTarget):
     @property
     def attention_path(self) -> str:
         return "graph" if self.graphs else "static"
-
-    def set_row_plan(self, linear_min_rows: int, attention_min_rows: int, linear_fixed: bool = False) -> None:
-        """Kept as it is: every product runs at :data:`STEP_ROWS` rows."""
 
     # ----------------------------------------------------------------------------------------------- cache
 

@@ -20,7 +20,7 @@ and computed for all rows in one product (``shared`` blocks). Blocks from there 
 their keys are gathered per row (``tail`` blocks). The two kinds run through the same shaped products, so a block
 gives the same numbers whichever kind it is; and masked positions contribute exact zeros. Whether the machine's
 matrix kernels really give a row the same result whatever the number of rows is measured, not assumed
-(:mod:`draftwise.backend.invariance`): products are padded to a row count from which they do.
+(:mod:`draftwise.backend.calibration.invariance`): products are padded to a row count from which they do.
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def rows_attention(
     """:func:`block_attention` of the chains of rows of several sequences in one set of products, each row bitwise
     its result alone and plain decoding's at its position: every block runs through products of one shape (the head
     groups of the longest chain's rows against one block, at least the machine's invariant row count, see
-    :mod:`draftwise.backend.invariance`); a row's maximum is taken over its own positions; its block sums are added
+    :mod:`draftwise.backend.calibration.invariance`); a row's maximum is taken over its own positions; its block sums are added
     in order by a sequential scan, in which the blocks it does not see (a shorter chain's, padding) add exact zeros.
 
     Args:

@@ -3,7 +3,7 @@
 Matrix kernels pick their algorithm by the shape of the call: on these CPUs a one-row product (a matrix-vector
 kernel) rounds differently from a two-row one, and some libraries switch again at 4, 8 or 12 rows. Each kind of
 product here is padded to a *minimum row count* from which the machine's kernel gives every row the same bits
-whatever the number of rows; that count is measured on the running machine (:mod:`draftwise.backend.invariance`).
+whatever the number of rows; that count is measured on the running machine (:mod:`draftwise.backend.calibration.invariance`).
 
 On CPUs with oneDNN, the weights are also packed once into oneDNN's blocked layout (the layout PyTorch's own
 compiler freezes weights into): a few-row product then streams the weights about twice as fast as ``F.linear``, and

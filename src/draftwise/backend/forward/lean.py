@@ -4,31 +4,31 @@ transformers stays the loader and the reference: the weights are taken from its 
 projections fused into one product, gate and up projections into another; packed for oneDNN on CPUs), and its
 forward is what the tests compare against. What this forward adds:
 
-- **rows of any tree in one pass**, each with its own position and ancestors (:mod:`draftwise.backend.attention`);
+- **rows of any tree in one pass**, each with its own position and ancestors (:mod:`draftwise.backend.forward.attention`);
 - **a static KV cache per sequence** (preallocated buffers; a step writes its rows after the committed length and
   only the accepted rows are compacted into place, so a rejected draft costs nothing);
 - **batch invariance**: every row of a verification forward is bitwise what plain one-row decoding computes at the
   same position, in every dtype, because every product runs at a row count the machine's kernels are invariant at
-  and attention is computed in position-aligned blocks (:mod:`draftwise.backend.invariance` measures both);
+  and attention is computed in position-aligned blocks (:mod:`draftwise.backend.calibration.invariance` measures both);
 - **few operations per layer**, so a one-row step is close to the cost of reading the weights: on CPUs attention runs
   through a kernel compiled on the machine (:mod:`draftwise.backend.native`), one call per layer for every row of
   every sequence, each row's arithmetic fixed by its position alone; where it cannot be built, through the library
-  path of :mod:`draftwise.backend.attention`. The linear products run through the same module's blocked kernel
+  path of :mod:`draftwise.backend.forward.attention`. The linear products run through the same module's blocked kernel
   where the CPU has AVX-512 (float32) or avx512_bf16 (bfloat16), through oneDNN otherwise
-  (:mod:`draftwise.backend.linear`).
+  (:mod:`draftwise.backend.weights.products`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .attention import (
     RaggedLayout,
     batch_block_attention,
@@ -41,19 +41,19 @@ from .attention import (
     single_row_attention,
     tail_layout,
 )
-from .cache import check_full_attention
-from .linear import Linear, packing_available
-from .pages import gather_in_huge_pages
-from .rows import RowBlock, is_chain
-from .target import ForwardOutput, Target
+from ..cache import LeanCache, check_full_attention
+from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
+from ..weights.products import Linear, packing_available
+from ..rows import RowBlock, is_chain
+from ..target import ForwardOutput, Target
 
 #: Most rows stacked into one product (16 sequences of 32 draft nodes): the linear products' invariance is checked
-#: up to this many rows (:mod:`~draftwise.backend.invariance`), and a bigger batch runs as several forwards.
+#: up to this many rows (:mod:`~draftwise.backend.calibration.invariance`), and a bigger batch runs as several forwards.
 MAX_FORWARD_ROWS = 528
 
 #: Model families this forward implements.
 FAMILIES = ("llama", "qwen2")
-#: Positions per attention block (see :mod:`draftwise.backend.attention`); the compiled attention kernel is built for
+#: Positions per attention block (see :mod:`draftwise.backend.forward.attention`); the compiled attention kernel is built for
 #: this size (``kCacheBlock`` in ``native/ragged_attention.cpp``, checked at every call).
 BLOCK = 64
 #: Prompt rows that share one read of the cached positions before them in a prefill's attention (see
@@ -72,61 +72,43 @@ class LayerSkip:
         return len(self.attention) + len(self.mlp)
 
 
-@dataclass
-class LeanLayer:
-    """One decoder layer's weights."""
+#: The forward paths of this module, by :meth:`LeanTarget.forward_path` (prefills: :meth:`LeanTarget.prefill`; CUDA
+#: devices run :class:`~draftwise.backend.forward.graphed.GraphedLeanTarget` instead, fixed 64-row steps replayed as
+#: CUDA graphs, one sequence at a time):
+#:
+#: ============  ==========================================  =====================================================
+#: path          runs for                                     attention, and the layers
+#: ============  ==========================================  =====================================================
+#: ``kernel``    CPUs with the compiled kernels: every         ``ragged_attention``, every row of every sequence in
+#:               forward (one row, chains, trees, batches)     one call a layer; the layers as one compiled loop
+#:                                                             (``DecoderLayers``) where every product is blocked
+#:                                                             and no layer is skipped
+#: ``one-row``   library path: one sequence, one row           :func:`single_row_attention` over the cache in place
+#: ``tree``      library path: one sequence's tree             :func:`block_attention` over the blocks paths reach
+#: ``grouped``   library path: a chain, or several sequences   one set of products per group (lone rows, chains,
+#:                                                             trees by row count): :func:`rows_attention` and
+#:                                                             :func:`batch_block_attention`
+#: prefill       kernel: runs of :data:`PROMPT_RUN` prompt     library: causal attention over the prompt
+#:               rows as verification rows
+#: ============  ==========================================  =====================================================
+FORWARD_PATHS = ("kernel", "one-row", "tree", "grouped")
 
-    attention_norm: torch.Tensor
-    qkv: Linear
-    output: Linear
-    mlp_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
 
+@dataclass(frozen=True)
+class Attention:
+    """How one forward's attention runs at every layer.
 
-class LeanCache:
-    """Keys and values of one sequence, in blocks of positions: ``(layers, blocks, kv_heads, block, head_dim)``
-    buffers (block-major, so that attention reads whole blocks in place), grown when needed.
-
-    Positions ``0 .. length - 1`` are committed; a forward writes its rows after them and :meth:`LeanTarget.commit`
-    moves the accepted ones into place.
+    Attributes:
+        attend: ``attend(layer, queries, keys, values)``: every sequence's attention given all new rows' queries,
+            keys and values (one sequence after the other); returns the rows' outputs in the same order.
+        deferred: sequences (by index) whose attention takes this forward's rows from ``keys`` and ``values``:
+            their caches are written once, after the last layer.
+        layout: every row as the compiled attention reads it (the ``kernel`` path), else ``None``.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, block: int, capacity: int, dtype, device) -> None:
-        blocks = -(-capacity // block)
-        shape = (layers, blocks, kv_heads, block, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.block = block
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[1] * self.block
-
-    def reserve(self, needed: int) -> None:
-        """Make room for ``needed`` positions (doubling, so growth is rare)."""
-        if needed <= self.capacity:
-            return
-        blocks = max(-(-needed // self.block), 2 * self.keys.shape[1])
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], blocks, *old.shape[2:]))
-            new[:, : old.shape[1]] = old
-            setattr(self, name, new)
-
-    def region(self, start: int, end: int) -> tuple[slice, slice]:
-        """An index of ``keys`` and ``values`` covering positions ``start .. end - 1`` of every layer (whole
-        blocks)."""
-        return slice(None), slice(start // self.block, (end - 1) // self.block + 1)
-
-    def move(self, sources: torch.Tensor, start: int) -> None:
-        """Copy the positions ``sources`` of every layer to ``start, start + 1, ...`` (sources read first)."""
-        targets = torch.arange(start, start + sources.shape[0], device=sources.device)
-        for buffer in (self.keys, self.values):
-            buffer[:, targets // self.block, :, targets % self.block] = buffer[
-                :, sources // self.block, :, sources % self.block
-            ]
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    deferred: frozenset[int] = frozenset()
+    layout: RaggedLayout | None = None
 
 
 def _row_bucket(rows: int) -> int:
@@ -192,15 +174,17 @@ class LeanTarget(Target):
     Args:
         model: the transformers model whose weights are used (it stays the reference).
         linear_min_rows: products are padded to at least this many rows (measured by
-            :func:`draftwise.backend.invariance.plan_rows`; 1 until then).
+            :func:`draftwise.backend.calibration.invariance.plan_rows`; 1 until then).
         attention_min_rows: the same for attention's products.
         packed: pack weights for oneDNN (default: where available).
         kernel: run attention and the row-wise steps (RMSNorm, rotary embedding, SiLU gating) through the compiled
             kernels (:mod:`draftwise.backend.native`): ``None`` (default) where it can (on CPUs, where they build;
             the library path otherwise, with a warning), ``True`` to insist (an error where it cannot), ``False``
-            for the library path (torch operations; attention by :mod:`draftwise.backend.attention`).
+            for the library path (torch operations; attention by :mod:`draftwise.backend.forward.attention`).
         huge_pages: keep the products' weights in transparent huge pages where the system gives them (CPUs; see
-            :mod:`draftwise.backend.pages`); :attr:`huge_pages` says whether they are.
+            :mod:`draftwise.backend.weights.pages`); :attr:`huge_pages` says whether they are.
+        linear_fixed: run every linear product at exactly ``linear_min_rows`` rows (the CUDA forward's fixed step
+            shape, see :mod:`draftwise.backend.forward.graphed`); such a target has no row plan to measure.
     """
 
     backend = "lean"
@@ -213,6 +197,7 @@ class LeanTarget(Target):
         packed: bool | None = None,
         kernel: bool | None = None,
         huge_pages: bool = True,
+        linear_fixed: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -227,18 +212,24 @@ class LeanTarget(Target):
         self.intermediate = config.intermediate_size
         self.block = BLOCK
         self.attention_min_rows = attention_min_rows
-        #: Several sequences' attention in one set of padded products (exact on CPUs; see set_row_plan).
-        self.joint_attention = True
+        #: Whether every linear product runs at exactly ``linear_min_rows`` rows (a fixed step shape).
+        self.fixed_row_plan = linear_fixed
         device, dtype = model.device, model.dtype
         self.packed = packing_available(dtype, device) if packed is None else packed
         self.kernel = self._compiled_kernels(kernel)
-        self.layers = [self._layer(layer, linear_min_rows) for layer in model.model.layers]
+
+        def make_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            product = self.linear(weight, bias, linear_min_rows)
+            product.fixed_rows = linear_fixed
+            return product
+
+        self.layers: list[LeanLayer] = [fuse_layer(layer, make_product) for layer in model.model.layers]
         self.embedding = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         head = model.get_output_embeddings()
-        self.head = self.linear(head.weight, head.bias, linear_min_rows)
+        self.head = make_product(head.weight.detach(), None if head.bias is None else head.bias.detach())
         #: Whether the products' weights are in transparent huge pages.
-        self.huge_pages = huge_pages and self._weights_in_huge_pages()
+        self.huge_pages = huge_pages and place_in_huge_pages(list(self.products), device)
         inverse = 1.0 / (
             rope_theta(config) ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
         )
@@ -253,20 +244,6 @@ class LeanTarget(Target):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.compiled_layers = self._compiled_layers()
 
-    def _weights_in_huge_pages(self) -> bool:
-        """Move the products' weights into one buffer of transparent huge pages (in the order a forward reads them);
-        False where the system has none, or on GPUs. oneDNN's packed weights stay where oneDNN put them."""
-        if self.device.type != "cpu":
-            return False
-        linears = [linear for linear in (*(linear for layer in self.layers for linear in (
-            layer.qkv, layer.output, layer.gate_up, layer.down)), self.head) if not linear.packed]
-        placed = gather_in_huge_pages([linear.weight for linear in linears])
-        if placed is None:
-            return False
-        for linear, weight in zip(linears, placed):
-            linear.weight = weight
-        return True
-
     def _compiled_kernels(self, wanted: bool | None) -> Any | None:
         """The compiled kernels' module, if used (see the ``kernel`` argument)."""
         if wanted is False:
@@ -277,7 +254,7 @@ class LeanTarget(Target):
         elif self.group > 8:
             reason = f"{self.group} query heads per key/value head (at most 8)"
         else:
-            from . import native
+            from .. import native
 
             module = native.load_kernels(warn=wanted is None)
             if module is not None:
@@ -293,7 +270,7 @@ class LeanTarget(Target):
         path."""
         if self.kernel is None:
             return None
-        from . import native
+        from .. import native
 
         return native.build_key()
 
@@ -316,35 +293,13 @@ class LeanTarget(Target):
         (``F.linear``) for the linear products."""
         return "kernel" if self.head.blocked is not None else "onednn" if self.head.packed else "library"
 
-    def _layer(self, layer: Any, min_rows: int) -> LeanLayer:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        biases = [projection.bias for projection in projections]
-        qkv_bias = None
-        if any(bias is not None for bias in biases):
-            qkv_bias = torch.cat([
-                bias.detach() if bias is not None else projection.weight.new_zeros(projection.out_features)
-                for bias, projection in zip(biases, projections)
-            ])
-        gate_up_bias = None
-        if mlp.gate_proj.bias is not None:
-            gate_up_bias = torch.cat([mlp.gate_proj.bias.detach(), mlp.up_proj.bias.detach()])
-        return LeanLayer(
-            attention_norm=layer.input_layernorm.weight.detach(),
-            qkv=self.linear(torch.cat([projection.weight.detach() for projection in projections]), qkv_bias, min_rows),
-            output=self.linear(attention.o_proj.weight, attention.o_proj.bias, min_rows),
-            mlp_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=self.linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), gate_up_bias, min_rows),
-            down=self.linear(mlp.down_proj.weight, mlp.down_proj.bias, min_rows),
-        )
-
     def _compiled_layers(self) -> Any | None:
         """The decoder layers as one compiled loop (:class:`draftwise.backend.native` ``DecoderLayers``) where every
         product runs through the blocked kernel: the same kernels in the same order as :meth:`_run`'s loop, bitwise
         its results, without the interpreter's per-operation cost (0.3-0.4 ms of a 30-layer forward)."""
-        if self.kernel is None:
+        if self.kernel is None or self.fixed_row_plan:
             return None
-        products = [(layer.qkv, layer.output, layer.gate_up, layer.down) for layer in self.layers]
+        products = [layer.products for layer in self.layers]
         if not all(linear.blocked is not None for group in products for linear in group):
             return None
         first = products[0]
@@ -359,22 +314,24 @@ class LeanTarget(Target):
     def linear_min_rows(self) -> int:
         return self.head.min_rows
 
-    def set_row_plan(self, linear_min_rows: int, attention_min_rows: int, linear_fixed: bool = False) -> None:
-        """Pad products to these row counts; with ``linear_fixed``, run every linear product at exactly
-        ``linear_min_rows`` rows (see :mod:`draftwise.backend.invariance`)."""
-        for linear in (*(linear for layer in self.layers for linear in (layer.qkv, layer.output, layer.gate_up,
-                                                                           layer.down)), self.head):
+    @property
+    def products(self) -> Iterator[Linear]:
+        """Every linear product, in the order a forward runs them."""
+        return all_products(self.layers, self.head)
+
+    def set_row_plan(self, linear_min_rows: int, attention_min_rows: int) -> None:
+        """Pad products to these row counts (measured by :mod:`draftwise.backend.calibration.invariance`)."""
+        if self.fixed_row_plan:
+            raise ValueError("this target runs every product at a fixed row count: it has no row plan to set")
+        for linear in self.products:
             linear.min_rows = linear_min_rows
-            linear.fixed_rows = linear_fixed
         self.attention_min_rows = attention_min_rows
-        # Fixed-row plans are the GPUs', where joint attention over sequences is not batch invariant.
-        self.joint_attention = not linear_fixed
 
     @property
     def batch_chains(self) -> bool:  # type: ignore[override]
-        # Joint attention reads a chain's blocks in place; a tree's rows each need their own gathered copies. The
-        # kernel reads every row's keys in place, trees' included.
-        return self.joint_attention and self.kernel is None
+        # The library path reads a chain's blocks in place, while a tree's rows each need their own gathered copies.
+        # The kernel reads every row's keys in place, trees' included.
+        return self.kernel is None
 
     # ----------------------------------------------------------------------------------------------- cache
 
@@ -481,9 +438,7 @@ class LeanTarget(Target):
         hidden = self.embedding[flat_tokens]
         skip_attention = skip.attention if skip is not None else frozenset()
         skip_mlp = skip.mlp if skip is not None else frozenset()
-        compiled = (layout is not None and self.compiled_layers is not None and skip is None
-                    and len(deferred) == len(caches) and not self.head.fixed_rows)
-        if compiled:
+        if layout is not None and skip is None and self.compiled_layers is not None:
             hidden, all_keys, all_values = self.compiled_layers.run(
                 hidden, cos, sin, self.linear_min_rows, [cache.keys for cache in caches],
                 [cache.values for cache in caches], layout.row_sequence, layout.row_committed, layout.path_offsets,
@@ -660,75 +615,84 @@ class LeanTarget(Target):
                 [logits for output in outputs for logits in output.logits],
                 [states for output in outputs for states in output.hidden_states] if hidden_states else None,
             )
-        shape = (self.kv_heads, self.group, self.head_dim)
-        deferred: frozenset[int] = frozenset()  # sequences whose caches are written once, after the last layer
-        ragged: RaggedLayout | None = None  # the compiled attention's rows
-        if self.kernel is not None:
-            # Every row in one call per layer, its committed keys read in place and this forward's from the new
-            # rows; the caches are written once, after the last layer (layer by layer for a layer-skipping draft,
-            # whose skipped layers write nothing).
-            layout = ragged = ragged_layout([cache.length for cache in caches], [block.parents for block in blocks])
-            kernel = self.kernel
-            if skip is None:
-                deferred = frozenset(range(len(caches)))
-
-            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                return kernel.ragged_attention(queries, keys, values, [cache.keys for cache in caches],
-                                               [cache.values for cache in caches], index, layout.row_sequence,
-                                               layout.row_committed, layout.path_offsets, layout.path_rows)
-        elif len(caches) == 1 and len(blocks[0].tokens) == 1 and self.joint_attention:
-            # Plain one-row decoding (CPU plans: products there do not depend on how many blocks share them).
-            cache = caches[0]
-
-            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                return single_row_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index],
-                                            cache.length, self.attention_min_rows)
-        elif len(caches) == 1 and not is_chain(blocks[0].parents):
-            cache, layout = caches[0], tail_layout(caches[0].length, blocks[0].parents, self.block, self.kv_heads,
-                                                   self.device)
-
-            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
-                                       self.attention_min_rows)
-        elif not self.joint_attention:
-            # Each sequence's attention on its own: padding sequences to a shared block count lengthens the
-            # reductions, which on GPUs changes their order (and a row's last bits) even though the padding is zero.
-            layouts = [tail_layout(cache.length, block.parents, self.block, self.kv_heads, self.device)
-                       for cache, block in zip(caches, blocks)]
-            bounds = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
-
-            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                queries = queries.view(-1, *shape)
-                return torch.cat([
-                    block_attention(queries[bounds[sequence] : bounds[sequence + 1]], cache.keys[index],
-                                    cache.values[index], layout, self.attention_min_rows)
-                    for sequence, (cache, layout) in enumerate(zip(caches, layouts))
-                ])
-        else:
-            # One set of products per group of sequences (lone rows, longer chains, trees by row count; see
-            # _bucket_members), chains (every block in place) apart from trees, each row bitwise its own result.
-            starts = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
-            bucketed = _bucket_members([len(block.tokens) for block in blocks],
-                                       [is_chain(block.parents) for block in blocks])
-            # A layer-skipping draft writes its keys and values layer by layer (its skipped layers write none).
-            groups = [self._attention_group(caches, blocks, starts, members, defer=skip is None)
-                      for members in bucketed]
-            deferred = frozenset(index for members, (_, _, given) in zip(bucketed, groups) if given
-                                 for index in members)
-
-            def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                queries = queries.view(-1, *shape)
-                if len(groups) == 1:
-                    return groups[0][1](index, queries, keys, values)
-                output = queries.new_empty(queries.shape[0], self.heads * self.head_dim)
-                for rows, compute, given in groups:
-                    group_keys = keys.index_select(0, rows) if given else keys
-                    group_values = values.index_select(0, rows) if given else values
-                    output.index_copy_(0, rows, compute(index, queries.index_select(0, rows), group_keys, group_values))
-                return output
-
-        states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks], attend,
-                           skip, deferred, ragged)
+        build = {"kernel": self._kernel_attention, "one-row": self._one_row_attention,
+                 "tree": self._tree_attention, "grouped": self._grouped_attention}[self.forward_path(caches, blocks)]
+        # (A layer-skipping draft writes its keys and values layer by layer: its skipped layers write none.)
+        attention = build(caches, blocks, defer=skip is None)
+        states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks],
+                           attention.attend, skip, attention.deferred, attention.layout)
         if last_only:
             states = [part[-1:] for part in states]
         return self._outputs(states, hidden_states, head)
+
+    # ------------------------------------------------------------------------------------- forward paths
+
+    def forward_path(self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock]) -> str:
+        """Which attention path :meth:`forward` takes for these rows (see :data:`FORWARD_PATHS`)."""
+        if self.kernel is not None:
+            return "kernel"
+        if len(caches) == 1 and len(blocks[0].tokens) == 1:
+            return "one-row"
+        if len(caches) == 1 and not is_chain(blocks[0].parents):
+            return "tree"
+        return "grouped"
+
+    def _kernel_attention(self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], defer: bool) -> Attention:
+        """Every row in one compiled call per layer, its committed keys read in place and this forward's from the
+        new rows; the caches are written once, after the last layer (layer by layer for a layer-skipping draft,
+        whose skipped layers write nothing)."""
+        layout = ragged_layout([cache.length for cache in caches], [block.parents for block in blocks])
+        kernel = self.kernel
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            return kernel.ragged_attention(queries, keys, values, [cache.keys for cache in caches],
+                                           [cache.values for cache in caches], index, layout.row_sequence,
+                                           layout.row_committed, layout.path_offsets, layout.path_rows)
+
+        return Attention(attend, frozenset(range(len(caches))) if defer else frozenset(), layout)
+
+    def _one_row_attention(self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], defer: bool) -> Attention:
+        """Plain one-row decoding on the library path."""
+        cache, shape = caches[0], (self.kv_heads, self.group, self.head_dim)
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            return single_row_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index],
+                                        cache.length, self.attention_min_rows)
+
+        return Attention(attend)
+
+    def _tree_attention(self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], defer: bool) -> Attention:
+        """One sequence's tree on the library path: each row over the blocks its path reaches."""
+        cache, shape = caches[0], (self.kv_heads, self.group, self.head_dim)
+        layout = tail_layout(cache.length, blocks[0].parents, self.block, self.kv_heads, self.device)
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            return block_attention(queries.view(-1, *shape), cache.keys[index], cache.values[index], layout,
+                                   self.attention_min_rows)
+
+        return Attention(attend)
+
+    def _grouped_attention(self, caches: Sequence[LeanCache], blocks: Sequence[RowBlock], defer: bool) -> Attention:
+        """Several sequences (or one chain) on the library path: one set of products per group of sequences (lone
+        rows, longer chains, trees by row count; see :func:`_bucket_members`), chains (every block in place) apart
+        from trees, each row bitwise its own result."""
+        shape = (self.kv_heads, self.group, self.head_dim)
+        starts = list(itertools.accumulate((len(block.tokens) for block in blocks), initial=0))
+        bucketed = _bucket_members([len(block.tokens) for block in blocks],
+                                   [is_chain(block.parents) for block in blocks])
+        # A layer-skipping draft writes its keys and values layer by layer (its skipped layers write none).
+        groups = [self._attention_group(caches, blocks, starts, members, defer=defer) for members in bucketed]
+        deferred = frozenset(index for members, (_, _, given) in zip(bucketed, groups) if given for index in members)
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            queries = queries.view(-1, *shape)
+            if len(groups) == 1:
+                return groups[0][1](index, queries, keys, values)
+            output = queries.new_empty(queries.shape[0], self.heads * self.head_dim)
+            for rows, compute, given in groups:
+                group_keys = keys.index_select(0, rows) if given else keys
+                group_values = values.index_select(0, rows) if given else values
+                output.index_copy_(0, rows, compute(index, queries.index_select(0, rows), group_keys, group_values))
+            return output
+
+        return Attention(attend, deferred)

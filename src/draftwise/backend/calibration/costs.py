@@ -17,15 +17,11 @@ import torch
 
 from .invariance import model_shape
 from .machine import MeasurementStore, machine_key
-from .rows import RowBlock
+from ..rows import RowBlock
 
 #: Row counts the curves are measured at (the latency model interpolates between them); trees from three rows (the
 #: root and two children).
 CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-#: 2: chains and trees measured together (a chain's forward got leaner than a tree's, so curves kept from before
-#: say nothing about either). 3: every row count in each round (a drift between row counts no longer bends the
-#: curve).
-CURVE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -87,15 +83,13 @@ def cost_curves(target: Any, store: MeasurementStore | None = None, measure: boo
                                                     "kernels": getattr(target, "kernels_build", None)})
     record = store.load(key)
     saved = record.get("cost_curves")
-    if saved and saved.get("version") == CURVE_VERSION:
+    if saved:
         return CostCurves(*({int(rows): float(value) for rows, value in saved[shape].items()}
                             for shape in ("chain", "tree")))
     if not measure:
         return None
     curves = measure_cost_curves(target)
-    record.pop("cost_curve", None)  # (the chain curve alone, before version 2)
     record["cost_curves"] = {
-        "version": CURVE_VERSION,
         **{shape: {str(rows): value for rows, value in getattr(curves, shape).items()} for shape in ("chain", "tree")},
     }
     store.save(key, record)

@@ -11,7 +11,8 @@ products never beyond 1), so nothing here is assumed:
   continuation at many cache lengths, and compares every verification row with the plain row bit for bit;
 - :func:`plan_rows` sets a lean target's padding from the first, confirms it with the second, pads more if needed
   and, if no padding is exact, turns draft trees off for that target (exact, just not faster) and says so. The
-  result is kept per machine, library version, thread count, dtype and model shape.
+  result is kept per machine, library version, thread count, dtype, model shape and backend code (a digest of its
+  sources, :func:`~draftwise.backend.calibration.machine.code_digest`: an edit to the forward measures again).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .lean import BLOCK, MAX_FORWARD_ROWS
+from ..forward.lean import BLOCK, MAX_FORWARD_ROWS
 from .machine import MeasurementStore, machine_key
-from .rows import RowBlock
+from ..rows import RowBlock
 
 #: Row counts a kernel may be padded to, smallest first.
 CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -36,10 +37,6 @@ SAMPLE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 31, 32
 #: Paddings tried after the measured one, in order, while whole forwards are not exact (each raised to at least
 #: the measured one).
 ESCALATION = ((2, 1), (4, 1), (2, 12), (4, 16), (16, 32))
-PLAN_VERSION = 5
-#: Rows every linear product runs at on GPUs (see :class:`~draftwise.backend.linear.Linear`'s ``fixed_rows``): a
-#: product of 64 rows costs about what one row does there, and a fixed shape keeps one kernel for every row.
-GPU_FIXED_ROWS = 64
 
 
 def min_invariant_rows(run: Callable[[int], torch.Tensor], max_rows: int, candidates: Sequence[int] = CANDIDATE_MIN_ROWS) -> int | None:
@@ -246,39 +243,15 @@ def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 
     store = store if store is not None else MeasurementStore()
     key = machine_key(target.device, target.dtype, model_shape(target))
     saved = store.load(key).get("row_plan")
-    if saved and saved.get("version") == PLAN_VERSION:
+    if saved:
         plan = RowPlan(saved["linear_min_rows"], saved["attention_min_rows"], saved["exact"],
                        linear_fixed=saved.get("linear_fixed", False))
         _apply(target, plan)
         return plan
-    attention = probe_attention_rows(target) or CANDIDATE_MIN_ROWS[-1]
-    if target.device.type == "cpu" and not getattr(target, "fixed_row_plan", False):
-        fixed = False
-        linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
-        ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]
-        checks = {"trials": trials}
-    else:
-        # GPU libraries pick a kernel by the row count at every size (a batch of four trees changed rows in the
-        # last bits where each tree alone did not): every product runs at one fixed row count, attention's too
-        # (only at 64 query rows did its results not depend on the batch count), and the check is made longer
-        # since it is cheap there.
-        fixed, linear = True, GPU_FIXED_ROWS
-        ladder = [(linear, max(attention, GPU_FIXED_ROWS))]
-        checks = {"trials": 3 * trials, "steps": 2 * BLOCK + 10, "prompt_length": BLOCK - 7}
-    plan = RowPlan(linear, attention, False, linear_fixed=fixed)
-    for linear_rows, attention_rows in dict.fromkeys(ladder):
-        plan = RowPlan(linear_rows, attention_rows, False, linear_fixed=fixed)
-        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows, fixed)
-        plan.report = check_trees(target, **checks)
-        plan.exact = plan.report.exact
-        if plan.exact:
-            break
-    if plan.exact and not fixed:
-        plan = _fastest_padding(target, plan, trials)
+    plan = _check_fixed_rows(target, trials) if target.fixed_row_plan else _measure_padding(target, trials)
     _apply(target, plan)
     record = store.load(key)
     record["row_plan"] = {
-        "version": PLAN_VERSION,
         "linear_min_rows": plan.linear_min_rows,
         "attention_min_rows": plan.attention_min_rows,
         "linear_fixed": plan.linear_fixed,
@@ -286,6 +259,33 @@ def plan_rows(target: Any, store: MeasurementStore | None = None, trials: int = 
     }
     store.save(key, record)
     return plan
+
+
+def _check_fixed_rows(target: Any, trials: int) -> RowPlan:
+    """A target whose products run at one fixed row count (the CUDA forward) has no padding to choose: its rows are
+    checked, longer than a padded target's since the check is cheap there."""
+    plan = RowPlan(target.linear_min_rows, target.attention_min_rows, False, linear_fixed=True)
+    plan.report = check_trees(target, trials=3 * trials, steps=2 * BLOCK + 10, prompt_length=BLOCK - 7)
+    plan.exact = plan.report.exact
+    return plan
+
+
+def _measure_padding(target: Any, trials: int) -> RowPlan:
+    """The paddings measured by :func:`probe_linear_rows` and :func:`probe_attention_rows`, confirmed by
+    :func:`check_trees`, raised along :data:`ESCALATION` while whole forwards are not exact; then the fastest exact
+    linear padding."""
+    attention = probe_attention_rows(target) or CANDIDATE_MIN_ROWS[-1]
+    linear = probe_linear_rows(target) or CANDIDATE_MIN_ROWS[-1]
+    ladder = [(linear, attention), *((max(linear, rows), max(attention, rows_)) for rows, rows_ in ESCALATION)]
+    plan = RowPlan(linear, attention, False)
+    for linear_rows, attention_rows in dict.fromkeys(ladder):
+        plan = RowPlan(linear_rows, attention_rows, False)
+        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
+        plan.report = check_trees(target, trials=trials)
+        plan.exact = plan.report.exact
+        if plan.exact:
+            break
+    return _fastest_padding(target, plan, trials) if plan.exact else plan
 
 
 #: Larger linear paddings tried for speed once a plan is exact (a matrix-vector kernel can be slower than a
@@ -333,7 +333,8 @@ def _fastest_padding(target: Any, plan: RowPlan, trials: int) -> RowPlan:
 
 
 def _apply(target: Any, plan: RowPlan) -> None:
-    target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows, plan.linear_fixed)
+    if not target.fixed_row_plan:
+        target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
     target.exact_trees = plan.exact
     if not plan.exact:
         warnings.warn(

@@ -3,12 +3,14 @@ measurements made on it are kept."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import statistics
 import time
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +101,31 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") 
     return resolved
 
 
+#: The sources a backend measurement depends on: everything under ``draftwise/backend`` (the forward, its weights,
+#: caches and kernels, and the measuring code itself).
+BACKEND_FOLDER = Path(__file__).resolve().parent.parent
+SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+
+
+@cache
+def code_digest(folder: Path = BACKEND_FOLDER) -> str:
+    """A digest of the backend's sources: measurements are keyed by it, so an edit to the forward, its kernels or
+    the measuring code measures again (no version number to bump by hand)."""
+    digest = hashlib.sha256()
+    for path in sorted(path for path in folder.rglob("*") if path.suffix in SOURCE_SUFFIXES and path.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
 def machine_key(device: torch.device | str, dtype: torch.dtype, model_shape: dict[str, Any]) -> str:
-    """An identifier of measurements that hold for this machine, library version, thread count, dtype and model
-    shape: a different CPU, torch build or thread count measures again."""
+    """An identifier of measurements that hold for this machine, library version, thread count, dtype, model shape
+    and backend code (:func:`code_digest`): a different CPU, torch build, thread count or forward measures again."""
     device = torch.device(device)
     description = {
+        "code": code_digest(),
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cpu": cpu_model(),
@@ -119,9 +141,16 @@ def machine_key(device: torch.device | str, dtype: torch.dtype, model_shape: dic
 class MeasurementStore:
     """Measurements of this machine, one JSON file per key under ``cache_root() / "machine"``.
 
+    Every record is stamped with the :func:`code_digest` that wrote it. Saving prunes the records written by other
+    code (or by code that stamped none) once they have gone unwritten for :attr:`STALE_AFTER_S`: another checkout on
+    the same machine keeps its records while it is in use, and code that is gone leaves nothing behind for long.
+
     Args:
         folder: where the files go (default: ``cache_root() / "machine"``).
     """
+
+    #: Age (seconds since last written) after which another code's records are pruned.
+    STALE_AFTER_S = 7 * 24 * 3600.0
 
     def __init__(self, folder: str | os.PathLike | None = None) -> None:
         self.folder = Path(folder) if folder is not None else cache_root() / "machine"
@@ -134,11 +163,30 @@ class MeasurementStore:
             return {}
 
     def save(self, key: str, record: dict[str, Any]) -> None:
-        """Write ``record`` (atomically: a file half written is never read)."""
+        """Write ``record`` (atomically: a file half written is never read), stamped with the current
+        :func:`code_digest`, then :meth:`prune`."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             scratch = self.folder / f".{key}.{os.getpid()}.tmp"
-            scratch.write_text(json.dumps(record, indent=1, sort_keys=True))
+            scratch.write_text(json.dumps({**record, "code": code_digest()}, indent=1, sort_keys=True))
             os.replace(scratch, self.folder / f"{key}.json")
         except OSError:
-            pass  # a read-only home only costs measuring again next time
+            return  # a read-only home only costs measuring again next time
+        self.prune()
+
+    def prune(self, now: float | None = None) -> list[Path]:
+        """Delete records of other code (see the class notes) unwritten for :attr:`STALE_AFTER_S`; returns them."""
+        now = time.time() if now is None else now
+        current, removed = code_digest(), []
+        for path in self.folder.glob("*.json"):
+            try:
+                if now - path.stat().st_mtime < self.STALE_AFTER_S:
+                    continue
+                stamped = json.loads(path.read_text()).get("code")
+            except (OSError, ValueError, AttributeError):
+                stamped = None
+            if stamped != current:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed.append(path)
+        return removed

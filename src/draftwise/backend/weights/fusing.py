@@ -1,0 +1,91 @@
+"""The lean forward's weights, taken once from a transformers model: each decoder layer's query, key and value
+projections fused into one product and its gate and up projections into another, so that a layer runs four
+products instead of seven.
+
+How a product's weights are stored and multiplied (the compiled blocked kernel, oneDNN's packed layout,
+``F.linear``) is :mod:`~draftwise.backend.weights.products`'s business, and where their bytes live
+:mod:`~draftwise.backend.weights.pages`'s: a new weight format plugs in there, behind the same ``make_product``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .pages import gather_in_huge_pages
+from .products import Linear
+
+#: Builds a product from a weight and an optional bias (see :meth:`draftwise.backend.forward.lean.LeanTarget.linear`).
+ProductFactory = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]
+
+
+@dataclass
+class LeanLayer:
+    """One decoder layer's weights."""
+
+    attention_norm: torch.Tensor
+    qkv: Linear
+    output: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+    @property
+    def products(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """The layer's products in the order a forward runs them."""
+        return self.qkv, self.output, self.gate_up, self.down
+
+
+def _joined_bias(projections: tuple[Any, ...]) -> torch.Tensor | None:
+    """The biases of ``projections`` side by side (zeros for those without), or ``None`` when none has one."""
+    if all(projection.bias is None for projection in projections):
+        return None
+    return torch.cat([
+        projection.bias.detach() if projection.bias is not None else projection.weight.new_zeros(projection.out_features)
+        for projection in projections
+    ])
+
+
+def fuse_layer(layer: Any, make_product: ProductFactory) -> LeanLayer:
+    """``layer``'s weights (a llama/qwen2 decoder layer of transformers) with its products made by
+    ``make_product``."""
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+    gate_up = (mlp.gate_proj, mlp.up_proj)
+    return LeanLayer(
+        attention_norm=layer.input_layernorm.weight.detach(),
+        qkv=make_product(torch.cat([projection.weight.detach() for projection in qkv]), _joined_bias(qkv)),
+        output=make_product(attention.o_proj.weight.detach(), _optional(attention.o_proj.bias)),
+        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=make_product(torch.cat([projection.weight.detach() for projection in gate_up]), _joined_bias(gate_up)),
+        down=make_product(mlp.down_proj.weight.detach(), _optional(mlp.down_proj.bias)),
+    )
+
+
+def _optional(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()
+
+
+def all_products(layers: list[LeanLayer], head: Linear) -> Iterator[Linear]:
+    """Every product of a forward, in the order it runs them: each layer's four, then the output head."""
+    for layer in layers:
+        yield from layer.products
+    yield head
+
+
+def place_in_huge_pages(products: list[Linear], device: torch.device) -> bool:
+    """Move the weights of ``products`` into one buffer of transparent huge pages, in the order given (a forward's
+    reading order); False where the system has none, or off CPUs. oneDNN's packed weights stay where oneDNN put
+    them."""
+    if device.type != "cpu":
+        return False
+    movable = [product for product in products if not product.packed]
+    placed = gather_in_huge_pages([product.weight for product in movable])
+    if placed is None:
+        return False
+    for product, weight in zip(movable, placed):
+        product.weight = weight
+    return True

@@ -1,0 +1,354 @@
+"""The drafting policy: which drafts a step verifies, and when drafting is worth asking for at all.
+
+The :class:`~draftwise.decoding.engine.Decoder` runs the mechanism (draft -> verify -> accept -> update); a
+:class:`DraftingPolicy` makes its decisions, keeping what it has learned per batch size in a :class:`BatchState`:
+
+* **The cost rule** (:func:`size_trees`). Every sequence's root row is verified anyway; of all scored nodes, across
+  the sequences of a forward, the best ``k`` are kept with ``k`` maximising expected tokens per second,
+  ``(sequences + sum of kept scores) / time(rows)`` (the expected-length-over-cost rule of Sequoia and OPT-Tree,
+  with forward times from the :class:`~draftwise.decoding.latency.LatencyModel`). A large batch, whose forward
+  already costs more per row, verifies fewer drafts, none once they stop paying. Unscored trees are verified whole
+  when alone; in a batch they are first scored from their sequence's acceptance so far
+  (:func:`scored_by_acceptance`), so they are priced like scored ones.
+* **Pauses.** When a step's kept drafts were not worth their drafting time (their expected gain, drafting time
+  included, below plain steps'), drafters are not asked for the next few steps at this batch size (1, 2, 4, ... up
+  to :attr:`DraftingPolicy.MAX_DRAFT_PAUSE`), then tried again; at large batch, where the forward is dear and every
+  sequence's drafting adds up, speculation then stops by itself.
+* **Throughput judging.** Of several sequences, measured steps decide too: drafting is paused, with the same
+  backoff, while steps with drafts have emitted fewer tokens per second than steps without (moving averages). The
+  cost rule prices drafts from estimates; in a batch the first draft brings costs those see late (its rows' wider
+  attention products, linear products past the memory-bound regime), and this keeps a batch from running slower
+  than plain decoding. Where steps without drafts are rare, one is run now and then to measure them. Batch 1 keeps
+  the cost rule alone.
+* **Exploration** (:func:`explore`). Drafters learn their acceptance from verified nodes only: a source whose
+  estimate fell below break-even would never be verified again, so never corrected. After
+  :attr:`DraftingPolicy.EXPLORE_EVERY` steps without a verified node, when the cost rule drops every node on offer,
+  the best one is verified anyway (one row).
+
+A decoder uses the policy in three calls per step: :meth:`DraftingPolicy.drafting` (ask the drafters at all?),
+:meth:`DraftingPolicy.choose` (which of their drafts to verify) and :meth:`DraftingPolicy.after_step` (how the step
+went).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .latency import LatencyModel
+from .stats import GenerationStats
+from .tree import ROOT, DraftTree
+
+
+def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftTree]:
+    """The trees of one forward, cut to the nodes that pay for the forward's cost as a whole.
+
+    Every sequence's root row is verified anyway; of all scored nodes, across the sequences, the best ``k`` are kept
+    with ``k`` maximising expected tokens per second, ``(sequences + sum of kept scores) / time(rows)``, so a large
+    batch, whose forward already costs more per row, verifies fewer drafts, none once they stop paying. Unscored
+    trees are verified whole. Where a kept set branches, the forward is priced as a tree's, and the same choice over
+    each tree's best path alone (priced as chains) wins when it gives more tokens per second.
+    """
+    sized, rate = _best_nodes(trees, latency)
+    if any(tree.scores is not None and not tree.is_chain for tree in trees):
+        paths, path_rate = _best_nodes([tree if tree.scores is None else tree.best_path() for tree in trees], latency)
+        if path_rate > rate:
+            return paths
+    return sized
+
+
+def _best_nodes(trees: Sequence[DraftTree], latency: LatencyModel) -> tuple[list[DraftTree], float]:
+    """:func:`size_trees`'s cut of ``trees`` (their best nodes across sequences) and its expected tokens per
+    second."""
+    rows = sum(1 + (len(tree) if tree.scores is None else 0) for tree in trees)
+    branching = any(tree.scores is None and not tree.is_chain for tree in trees)
+    expected = float(rows)
+    ranked = sorted(
+        (
+            (-score, tree.depths[node], index, node)
+            for index, tree in enumerate(trees)
+            if tree.scores is not None
+            for node, score in enumerate(tree.scores)
+        )
+    )
+    sequences = len(trees)
+    best_count, best_rate = 0, expected / latency.cost(rows, sequences, branching)
+    # A parent comes before its children in this order (its score is at least theirs, and it is shallower), so the
+    # first ``count`` nodes are closed under parents; they branch once two of them share a parent.
+    parents_taken: set[tuple[int, int]] = set()
+    for count, (negative_score, _, index, node) in enumerate(ranked, 1):
+        expected -= negative_score
+        parent = (index, trees[index].parents[node])
+        branching = branching or parent in parents_taken
+        parents_taken.add(parent)
+        rate = expected / latency.cost(rows + count, sequences, branching)
+        if rate > best_rate:
+            best_count, best_rate = count, rate
+    kept = [0] * len(trees)
+    for _, _, index, _ in ranked[:best_count]:
+        kept[index] += 1
+    return [tree if tree.scores is None else tree.best(kept[index]) for index, tree in enumerate(trees)], best_rate
+
+
+def explore(trees: Sequence[DraftTree]) -> list[DraftTree]:
+    """The single best-scored node of ``trees`` (its tree cut to it, every other tree emptied), verified although
+    the cost rule dropped it.
+
+    Drafters learn their acceptance from verified nodes only: a source whose estimate fell below break-even (a few
+    unlucky early prompts) would never be verified again, so never corrected, even where it would now pay. One
+    node every :attr:`DraftingPolicy.EXPLORE_EVERY` steps costs one row; unscored trees are never dropped, so never
+    explored."""
+    best = max(
+        ((max(tree.scores), index) for index, tree in enumerate(trees) if tree.scores),
+        default=None,
+        key=lambda entry: (entry[0], -entry[1]),
+    )
+    return [tree.best(1) if best is not None and index == best[1] else DraftTree() for index, tree in enumerate(trees)]
+
+
+def scored_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
+    """``tree`` with scores estimated from the sequence's acceptance so far, for drafters that give none: a node's
+    score is its parent's times the rate at which drafts at its depth were accepted once reached (Laplace-smoothed),
+    shared evenly among its siblings; so a batch can price such drafts against its forward's cost like scored ones."""
+    if tree.scores is not None or not len(tree):
+        return tree
+    children = [0] * (len(tree) + 1)  # by parent row: the root is row 0
+    for parent in tree.parents:
+        children[parent + 1] += 1
+    scores: list[float] = []
+    for node, parent in enumerate(tree.parents):
+        depth = tree.depths[node] - 1
+        attempts = stats.attempts_per_position[depth] if depth < len(stats.attempts_per_position) else 0
+        accepts = stats.accepts_per_position[depth] if depth < len(stats.accepts_per_position) else 0
+        base = 1.0 if parent == ROOT else scores[parent]
+        scores.append(base * (accepts + 1) / (attempts + 2) / children[parent + 1])
+    return DraftTree(tree.tokens, tree.parents, tuple(scores), tree.draft_probs)
+
+
+class MeasuredRate(NamedTuple):
+    """A moving average of measured tokens per second, and how many steps went into it."""
+
+    tokens_per_second: float
+    steps: int
+
+
+@dataclass
+class BatchState:
+    """What a :class:`DraftingPolicy` keeps for one batch size (a fresh one decides as if nothing happened yet).
+
+    Attributes:
+        paused_steps_left: steps left to run without asking the drafters (0: drafting).
+        pause_length: length of the last pause set because a step's drafts were not worth their drafting time (0
+            once one was); the next such pause is twice as long (see :meth:`DraftingPolicy.judge_drafting`).
+        rate_with_drafts: measured tokens per second of steps that verified drafts (``None`` before the first).
+        rate_without_drafts: the same of steps that verified none.
+        throughput_pause_length: length of the last pause set because drafted steps emitted fewer tokens per second
+            than plain ones (0 once they did not; see :meth:`DraftingPolicy.after_step`).
+        drafted_steps_since_plain: measured steps with drafts since the last one without.
+        steps_since_verified_draft: steps since one verified a draft node (see :func:`explore`).
+    """
+
+    paused_steps_left: int = 0
+    pause_length: int = 0
+    rate_with_drafts: MeasuredRate | None = None
+    rate_without_drafts: MeasuredRate | None = None
+    throughput_pause_length: int = 0
+    drafted_steps_since_plain: int = 0
+    steps_since_verified_draft: int = 0
+
+    def rate(self, drafted: bool) -> MeasuredRate | None:
+        """The measured rate of steps with drafts (``drafted``) or without."""
+        return self.rate_with_drafts if drafted else self.rate_without_drafts
+
+    def measured_steps(self, drafted: bool) -> int:
+        """How many steps with drafts (``drafted``) or without were measured."""
+        rate = self.rate(drafted)
+        return rate.steps if rate is not None else 0
+
+
+@dataclass
+class Choice:
+    """What :meth:`DraftingPolicy.choose` decided for one step.
+
+    Attributes:
+        trees: the trees to verify, one per sequence (possibly empty).
+        exploring: whether they are an exploration (:func:`explore`), not expected to pay.
+    """
+
+    trees: list[DraftTree] = field(default_factory=list)
+    exploring: bool = False
+
+    @property
+    def drafted(self) -> bool:
+        """Whether some tree has a node to verify."""
+        return any(len(tree) for tree in self.trees)
+
+
+class DraftingPolicy:
+    """Decides, step by step and per batch size, whether to draft and which drafts to verify (see the module
+    docstring).
+
+    Args:
+        latency: the forward-time model drafts are priced with (the decoder's: it learns from its forwards).
+        max_draft_pause, rate_smoothing, rate_min_steps, plain_step_every, explore_every: override the class
+            attribute of the same name in upper case for this policy (``None``: keep it).
+
+    Attributes:
+        latency: the forward-time model.
+        states: what is kept per batch size (see :meth:`state`).
+    """
+
+    #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
+    MAX_DRAFT_PAUSE = 64
+    #: Weight of a step in the measured rates of steps with and without drafts, and how many steps of each kind are
+    #: measured before they are compared (see :meth:`after_step`).
+    RATE_SMOOTHING = 0.2
+    RATE_MIN_STEPS = 4
+    #: Of several sequences, steps with drafts after which one runs without, so that the rate of plain steps at the
+    #: batch size is measured and kept current: when every step drafts something, nothing else would measure it.
+    PLAIN_STEP_EVERY = 32
+    #: Steps without a verified draft node after which, when the cost rule drops every node on offer, the best one is
+    #: verified anyway (see :func:`explore`).
+    EXPLORE_EVERY = 16
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        *,
+        max_draft_pause: int | None = None,
+        rate_smoothing: float | None = None,
+        rate_min_steps: int | None = None,
+        plain_step_every: int | None = None,
+        explore_every: int | None = None,
+    ) -> None:
+        self.latency = latency
+        self.states: dict[int, BatchState] = {}
+        if max_draft_pause is not None:
+            self.MAX_DRAFT_PAUSE = max_draft_pause
+        if rate_smoothing is not None:
+            self.RATE_SMOOTHING = rate_smoothing
+        if rate_min_steps is not None:
+            self.RATE_MIN_STEPS = rate_min_steps
+        if plain_step_every is not None:
+            self.PLAIN_STEP_EVERY = plain_step_every
+        if explore_every is not None:
+            self.EXPLORE_EVERY = explore_every
+
+    def state(self, batch_size: int) -> BatchState:
+        """What is kept for ``batch_size`` sequences (created fresh on first use)."""
+        state = self.states.get(batch_size)
+        if state is None:
+            state = self.states[batch_size] = BatchState()
+        return state
+
+    def drafting(self, batch_size: int) -> bool:
+        """Whether to ask the drafters this step, at ``batch_size`` sequences; a paused step is used up."""
+        state = self.state(batch_size)
+        drafting = state.paused_steps_left == 0
+        state.paused_steps_left = max(0, state.paused_steps_left - 1)
+        return drafting
+
+    def choose(
+        self,
+        trees: Sequence[DraftTree],
+        stats: Sequence[GenerationStats],
+        *,
+        draft_seconds: float = 0.0,
+        batch_chains: bool = False,
+    ) -> Choice:
+        """The trees to verify of the drafters' ``trees`` (one per sequence, ``stats`` their sequences' counters),
+        which took ``draft_seconds`` to draft.
+
+        A batch first prices every draft (unscored trees by :func:`scored_by_acceptance`; alone, a drafter's
+        unscored tree is verified whole), keeping each tree's best path where the target verifies a batch's chains
+        only (``batch_chains``); then the cost rule (:func:`size_trees`) keeps what pays. Were nothing kept of what
+        was offered, after :attr:`EXPLORE_EVERY` steps without a verified node the best node is explored
+        (:func:`explore`); otherwise, if anything was offered, :meth:`judge_drafting` weighs the drafts against
+        their drafting time.
+        """
+        batch_size = len(trees)
+        offered = sum(len(tree) for tree in trees)
+        if batch_size > 1:
+            trees = [scored_by_acceptance(tree, sequence_stats) for tree, sequence_stats in zip(trees, stats)]
+            if batch_chains:
+                trees = [tree.best_path() for tree in trees]
+        offers, sized = trees, size_trees(trees, self.latency)
+        state = self.state(batch_size)
+        since_verified = state.steps_since_verified_draft + 1
+        exploring = offered > 0 and since_verified >= self.EXPLORE_EVERY and not any(len(tree) for tree in sized)
+        if exploring:
+            sized = explore(offers)
+        elif offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
+            self.judge_drafting(sized, draft_seconds)
+        choice = Choice(sized, exploring)
+        state.steps_since_verified_draft = 0 if choice.drafted else since_verified
+        return choice
+
+    def judge_drafting(self, trees: Sequence[DraftTree], draft_seconds: float) -> None:
+        """Pause drafting at this batch size (``len(trees)``) when the kept ``trees`` were not worth their drafting
+        time, ``draft_seconds``.
+
+        The kept nodes' expected gain, ``(sequences + sum of kept scores) / (forward time + drafting time)``, is set
+        against plain steps (``sequences / forward time``). When drafting loses, drafters are not asked for the
+        next few steps at this batch size (1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`), then tried again. Trees
+        left unscored say nothing here.
+        """
+        if any(tree.scores is None for tree in trees):
+            return
+        sequences = len(trees)
+        kept = sum(len(tree) for tree in trees)
+        expected = sequences + sum(sum(tree.scores) for tree in trees)
+        branching = any(not tree.is_chain for tree in trees)
+        with_drafts = expected / (self.latency.cost(sequences + kept, sequences, branching) + draft_seconds)
+        without = sequences / self.latency.cost(sequences, sequences)
+        state = self.state(sequences)
+        if with_drafts > without:
+            state.pause_length = 0
+        else:
+            state.pause_length = self._longer_pause(state.pause_length)
+            state.paused_steps_left = state.pause_length
+
+    def after_step(
+        self, batch_size: int, drafted: bool, tokens: int, seconds: float, *, exploring: bool = False
+    ) -> None:
+        """Judge drafting by throughput after a step of ``batch_size`` sequences that verified drafts or not
+        (``drafted``) and emitted ``tokens`` in ``seconds`` (drafting included).
+
+        Of several sequences, drafting is paused at this batch size while steps with drafts have emitted fewer
+        tokens per second than steps without (moving averages of measured steps, :attr:`RATE_MIN_STEPS` of each
+        kind at least), with the same backoff as :meth:`judge_drafting`; once drafted steps keep up, the backoff
+        starts over. Where steps without drafts are rare (drafters that always propose something), one is run now
+        and then to measure them (every :attr:`PLAIN_STEP_EVERY` drafted steps, and after every drafted step until
+        :attr:`RATE_MIN_STEPS` plain ones are measured). Batch 1 keeps the cost rule alone, and an exploring step
+        (``exploring``) is not expected to pay: it says nothing of drafting's rate.
+        """
+        if exploring or batch_size < 2 or seconds <= 0:
+            return
+        state = self.state(batch_size)
+        rate = tokens / seconds
+        measured = state.rate(drafted)
+        previous, count = measured if measured is not None else (rate, 0)
+        updated = MeasuredRate(previous + self.RATE_SMOOTHING * (rate - previous), count + 1)
+        if drafted:
+            state.rate_with_drafts = updated
+        else:
+            state.rate_without_drafts = updated
+        state.drafted_steps_since_plain = state.drafted_steps_since_plain + 1 if drafted else 0
+        if drafted and (
+            state.drafted_steps_since_plain >= self.PLAIN_STEP_EVERY
+            or state.measured_steps(False) < self.RATE_MIN_STEPS
+        ):
+            state.paused_steps_left = max(state.paused_steps_left, 1)  # the next step at this batch size runs plain
+        if not drafted or any(state.measured_steps(kind) < self.RATE_MIN_STEPS for kind in (True, False)):
+            return
+        assert state.rate_with_drafts is not None and state.rate_without_drafts is not None
+        if state.rate_with_drafts.tokens_per_second < state.rate_without_drafts.tokens_per_second:
+            state.throughput_pause_length = self._longer_pause(state.throughput_pause_length)
+            state.paused_steps_left = max(state.paused_steps_left, state.throughput_pause_length)
+        else:
+            state.throughput_pause_length = 0
+
+    def _longer_pause(self, length: int) -> int:
+        """The next pause in drafting after one of ``length`` steps: 1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`."""
+        return min(max(1, 2 * length), self.MAX_DRAFT_PAUSE)

@@ -271,10 +271,10 @@ class RandomTreeDrafter(ReferenceDrafter):
 def planned(model, folder, kernel: bool | None = None):
     """``model`` on the engine's lean forward with its row plan measured (the measurements kept in ``folder``);
     ``kernel``: as :class:`~draftwise.backend.forward.lean.LeanTarget`'s (``False``: attention by the library path)."""
-    from draftwise.backend.forward.graphed import GraphedLeanTarget
     from draftwise.backend.calibration.invariance import plan_rows
-    from draftwise.backend.forward.lean import LeanTarget
     from draftwise.backend.calibration.machine import MeasurementStore
+    from draftwise.backend.forward.graphed import GraphedLeanTarget
+    from draftwise.backend.forward.lean import LeanTarget
 
     target = GraphedLeanTarget(model) if model.device.type == "cuda" else LeanTarget(model, kernel=kernel)
     plan_rows(target, MeasurementStore(folder))

@@ -235,7 +235,7 @@ def _bench_interleaved(args: argparse.Namespace, benchmark, pair, console) -> in
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .bench.interleave import write_interleave_json
+    from .bench.interleave import interleave_benchmark, write_interleave_json
     from .bench.report import interleave_line, interleave_table
 
     prompts = len(benchmark.prompts)
@@ -256,7 +256,7 @@ def _bench_interleaved(args: argparse.Namespace, benchmark, pair, console) -> in
             progress.console.print(f"round {finished.number} ({finished.first} first): {rates}, "
                                    f"B/A {finished.ratio:.3f}x{same}")
 
-        result = benchmark.run_interleaved(pair, args.rounds, on_progress, on_round)
+        result = interleave_benchmark(benchmark, pair, args.rounds, on_progress, on_round)
     summary = result.summary()
     rounds = [round_.summary() for round_ in result.rounds]
     output = Console() if sys.stdout.isatty() else Console(width=200)

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from .backend.calibration.costs import cost_curves
-from .backend.forward.graphed import lean_target
 from .backend.calibration.invariance import plan_rows
-from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
-from .backend.forward.lean import unsupported_reason
 from .backend.calibration.machine import MeasurementStore, cache_root, resolve_dtype
+from .backend.forward.graphed import lean_target
+from .backend.forward.lean import unsupported_reason
 from .backend.target import Target, TransformersTarget
+from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
 from .errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"

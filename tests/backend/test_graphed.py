@@ -13,10 +13,10 @@ import torch
 from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import drafter_for, make_tiny_model, repetitive_prompt
 
-from draftwise.backend.forward.graphed import STEP_ROWS, TREE_DEPTH, GraphedLeanTarget, lean_target
 from draftwise.backend.calibration.invariance import check_trees, plan_rows
-from draftwise.backend.forward.lean import LayerSkip, LeanTarget
 from draftwise.backend.calibration.machine import MeasurementStore
+from draftwise.backend.forward.graphed import STEP_ROWS, TREE_DEPTH, GraphedLeanTarget, lean_target
+from draftwise.backend.forward.lean import LayerSkip, LeanTarget
 from draftwise.backend.rows import RowBlock
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.05}

@@ -15,8 +15,8 @@ import draftwise
 from draftwise.backend.calibration import invariance
 from draftwise.backend.calibration.costs import cost_curves
 from draftwise.backend.calibration.invariance import InvarianceReport, check_trees, plan_rows
-from draftwise.backend.forward.lean import BLOCK, PROMPT_RUN, LeanTarget, _bucket_members, unsupported_reason
 from draftwise.backend.calibration.machine import MeasurementStore, auto_dtype, resolve_dtype
+from draftwise.backend.forward.lean import BLOCK, PROMPT_RUN, LeanTarget, _bucket_members, unsupported_reason
 from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
 from draftwise.errors import UnsupportedModelError

@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny import make_tiny_model
 
-from draftwise.backend.weights import pages
 from draftwise.backend.forward.lean import LeanTarget
 from draftwise.backend.rows import RowBlock
+from draftwise.backend.weights import pages
 
 
 def test_gathered_tensors_are_equal_contiguous_and_aligned(tmp_path, monkeypatch):

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from equivalence import ar_token_ids, assert_same_ids_as_ar
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import repetitive_prompt
 
 import draftwise

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
 from equivalence import ar_token_ids, assert_same_ids_as_ar
+from hypothesis import strategies as st
 from tiny import VOCAB, TextTokenizer, repetitive_prompt
 
 import draftwise

@@ -23,8 +23,8 @@ from tiny import ChatCharTokenizer, make_tiny_model, repetitive_prompt
 
 import draftwise
 from draftwise.backend.calibration.invariance import plan_rows
-from draftwise.backend.forward.lean import LeanTarget
 from draftwise.backend.calibration.machine import MeasurementStore
+from draftwise.backend.forward.lean import LeanTarget
 from draftwise.serve import ServerBusyError, ServingEngine, create_app
 from draftwise.serve.load import run_load
 

@@ -34,7 +34,7 @@ from ..errors import InvalidRequestError
 from .metrics import percentile, total_rate
 from .prompts import Prompt
 from .results import Record
-from .run import WARMUP_PROMPT, WARMUP_TOKENS, Row, RowTimer, _encode, _record, parse_methods
+from .run import WARMUP_PROMPT, WARMUP_TOKENS, Benchmark, Row, RowTimer, _encode, _record, parse_methods
 
 #: The two sides of a comparison; the ratio reported is the second's tokens/s over the first's.
 SIDES = ("A", "B")
@@ -223,3 +223,22 @@ def write_interleave_json(path: str | Path, result: InterleaveResult, env: dict,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def interleave_benchmark(
+    benchmark: Benchmark,
+    pair: tuple[Row, Row],
+    rounds: int,
+    on_progress: Callable[[str, Prompt, float], None] | None = None,
+    on_round: Callable[[InterleaveRound], None] | None = None,
+) -> InterleaveResult:
+    """:func:`run_interleaved` over a prepared :class:`~draftwise.bench.run.Benchmark`'s model, prompts and settings
+    (first turns only, once a round)."""
+    settings = benchmark.settings
+    if settings.budgets or settings.turns != [1] or settings.repeats != 1:
+        raise InvalidRequestError("--interleave runs first turns once a round: drop --sweep, --turns and --repeats")
+    return run_interleaved(
+        benchmark.model, benchmark.tokenizer, benchmark.prompts, pair, rounds, settings.max_new_tokens,
+        settings.sampling, chat_template=settings.chat_template, draft_model=benchmark.draft_model,
+        anchors=benchmark.anchors, on_progress=on_progress, on_round=on_round,
+    )

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -41,9 +41,6 @@ from .environment import PeakMemoryMeter, bandwidth_floor, environment
 from .metrics import summarize
 from .prompts import Prompt, load_dataset, take_prompts
 from .results import Measurement, Record, ResultsWriter, results_header, row_label
-
-if TYPE_CHECKING:
-    from .interleave import InterleaveResult, InterleaveRound
 
 HF_ROWS = ("hf", "hf-pld", "hf-assisted")
 #: Rows that run another engine on the same model: transformers' generate and llama.cpp.
@@ -663,26 +660,6 @@ class Benchmark:
         warm_up = _encode(self.tokenizer, WARMUP_PROMPT, settings.chat_template)
         return run_batched(self.model, self.tokenizer, prompt_ids, drafters, batch_sizes, settings.max_new_tokens,
                            settings.sampling, warm_up, on_record, settings.repeats)
-
-    def run_interleaved(
-        self,
-        pair: tuple[Row, Row],
-        rounds: int,
-        on_progress: Callable[[str, Prompt, float], None] | None = None,
-        on_round: Callable[[InterleaveRound], None] | None = None,
-    ) -> InterleaveResult:
-        """The A/B comparison of :mod:`~draftwise.bench.interleave`: ``pair`` round by round over the first turns
-        of the prompts; returns its :class:`~draftwise.bench.interleave.InterleaveResult`."""
-        from .interleave import run_interleaved  # (it builds on this module)
-
-        settings = self.settings
-        if settings.budgets or settings.turns != [1] or settings.repeats != 1:
-            raise InvalidRequestError("--interleave runs first turns once a round: drop --sweep, --turns and --repeats")
-        return run_interleaved(
-            self.model, self.tokenizer, self.prompts, pair, rounds, settings.max_new_tokens, settings.sampling,
-            chat_template=settings.chat_template, draft_model=self.draft_model, anchors=self.anchors,
-            on_progress=on_progress, on_round=on_round,
-        )
 
     @property
     def unbatched_rows(self) -> list[str]:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from ..rows import RowBlock
 from .invariance import model_shape
 from .machine import MeasurementStore, machine_key
-from ..rows import RowBlock
 
 #: Row counts the curves are measured at (the latency model interpolates between them); trees from three rows (the
 #: root and two children).

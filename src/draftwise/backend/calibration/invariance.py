@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..forward.lean import BLOCK, MAX_FORWARD_ROWS
-from .machine import MeasurementStore, machine_key
 from ..rows import RowBlock
+from .machine import MeasurementStore, machine_key
 
 #: Row counts a kernel may be padded to, smallest first.
 CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)

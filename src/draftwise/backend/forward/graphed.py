@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .lean import BLOCK, LayerSkip, LeanTarget
 from ..rows import CACHE, RowBlock, is_chain
 from ..target import ForwardOutput
+from .lean import BLOCK, LayerSkip, LeanTarget
 
 #: Rows of every step: a product of 64 rows costs about what one row does on a GPU.
 STEP_ROWS = 64

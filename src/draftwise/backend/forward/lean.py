@@ -29,6 +29,11 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedModelError
+from ..cache import LeanCache, check_full_attention
+from ..rows import RowBlock, is_chain
+from ..target import ForwardOutput, Target
+from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
+from ..weights.products import Linear, packing_available
 from .attention import (
     RaggedLayout,
     batch_block_attention,
@@ -41,11 +46,6 @@ from .attention import (
     single_row_attention,
     tail_layout,
 )
-from ..cache import LeanCache, check_full_attention
-from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
-from ..weights.products import Linear, packing_available
-from ..rows import RowBlock, is_chain
-from ..target import ForwardOutput, Target
 
 #: Most rows stacked into one product (16 sequences of 32 draft nodes): the linear products' invariance is checked
 #: up to this many rows (:mod:`~draftwise.backend.calibration.invariance`), and a bigger batch runs as several forwards.

@@ -107,8 +107,8 @@ def test_every_method_matches_ar_on_spec_bench(smollm_in, spec_bench_references,
 
 @pytest.mark.parametrize("method", ["ar", "pld"])
 def test_batch_of_8_gives_every_prompt_its_batch_1_ids(smollm_in, method):
-    """32 Spec-Bench prompts (16 on a slower machine, see FAST_MACHINE) decoded 8 at a time (ragged lengths, sequences finishing and joining mid-flight): every
-    prompt's ids equal its ids decoded alone, in each dtype."""
+    """32 Spec-Bench prompts (16 on a slower machine, see FAST_MACHINE) decoded 8 at a time (ragged lengths,
+    sequences finishing and joining mid-flight): every prompt's ids equal its ids decoded alone, in each dtype."""
     model, tokenizer = smollm_in
     count = 32 if FAST_MACHINE else 16  # (16: still two full batches and sequences joining mid-flight)
     prompts = [[{"role": "user", "content": prompt.text}] for prompt in load_spec_bench(None, per_category=6)][:count]

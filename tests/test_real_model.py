@@ -133,6 +133,24 @@ def test_verification_rows_are_bitwise_plain_decoding(smollm_in):
     assert report.exact, report.mismatches[:3]
 
 
+def test_sampling_distributions_on_real_logits(smollm):
+    """The sampling distributions of real logits (every position of a real prompt) as transformers' warpers give
+    them: the same kept set, probabilities within float tolerance."""
+    from draftwise.decoding.sampling import SamplingParams, target_probabilities, transform_logits
+
+    target, tokenizer = smollm
+    ids = tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = target.model(ids).logits[0].float()
+    for options in ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0}, {"temperature": 0.8, "top_k": 40},
+                    {"temperature": 1.2, "min_p": 0.05}, {"temperature": 0.6, "top_k": 100, "top_p": 0.8}):
+        params = SamplingParams(**options)
+        ours = target_probabilities(logits, params)
+        reference = torch.softmax(transform_logits(logits, params, [0]), -1)
+        assert torch.equal(ours > 1e-30, reference > 1e-30), options
+        assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-7), options
+
+
 def test_lean_forward_gives_transformers_greedy_ids():
     """float32: the engine's own forward decodes real prompts to the ids of transformers' own generate."""
     from draftwise.api import eos_token_ids

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from draftwise.decoding.latency import LatencyModel
-from draftwise.decoding.policy import BatchState, DraftingPolicy, MeasuredRate, explore, scored_by_acceptance
+from draftwise.decoding.policy import (
+    BatchState,
+    DraftingPolicy,
+    MeasuredRate,
+    explore,
+    priced_by_acceptance,
+    scored_by_acceptance,
+)
 from draftwise.decoding.stats import GenerationStats
 from draftwise.decoding.tree import DraftTree
 
@@ -147,6 +154,45 @@ def test_alone_throughput_is_not_judged():
         policy.after_step(1, True, 1, 0.050)
     assert 1 not in policy.states
     assert all(policy.drafting(1) for _ in range(5))
+
+
+def test_alone_under_sampling_throughput_is_judged():
+    """Under sampling batch 1 is judged by measured rates too: drafted steps slower than plain ones pause drafting."""
+    policy = DraftingPolicy(LatencyModel())
+    for _ in range(DraftingPolicy.RATE_MIN_STEPS):
+        policy.after_step(1, False, 1, 0.010, sampling=True)
+        policy.after_step(1, True, 1, 0.012, sampling=True)
+    assert policy.state(1).paused_steps_left >= 1 and policy.state(1).throughput_pause_length >= 1
+
+
+def test_scored_drafts_are_capped_by_measured_acceptance():
+    """A drafter's scores stand where the sequence's acceptance supports them and are lowered where it does not
+    (siblings share the measured rate in proportion to their scores); paths never grow."""
+    tree = DraftTree((5, 6, 7), (-1, -1, 0), (0.6, 0.2, 0.5))
+    accepting = GenerationStats()
+    for _ in range(50):
+        accepting.record_step(emitted=3, drafted=2, accepted=2, attempted=2)
+    assert priced_by_acceptance(tree, accepting).scores == tree.scores
+    rejecting = GenerationStats()
+    for _ in range(48):
+        rejecting.record_step(emitted=1, drafted=2, accepted=0, attempted=1)
+    rate = 1 / 50  # Laplace-smoothed: no accepts in 48 attempts
+    priced = priced_by_acceptance(tree, rejecting)
+    assert priced.scores == pytest.approx((rate * 0.75, rate * 0.25, rate * 0.75 * 0.5))
+    assert priced.tokens == tree.tokens and priced.parents == tree.parents
+    assert priced_by_acceptance(DraftTree.chain([1, 2]), rejecting).scores is not None  # unscored: scored
+
+
+def test_under_sampling_alone_drafts_are_priced_by_acceptance():
+    """Alone, a drafter's unscored tree is verified whole under greedy decoding, but priced by the sequence's
+    acceptance under sampling: drafts that are rarely accepted are dropped."""
+    policy = DraftingPolicy(LatencyModel(prior=MILD))
+    rejecting = GenerationStats()
+    for _ in range(40):
+        rejecting.record_step(emitted=1, drafted=3, accepted=0, attempted=1)
+    tree = DraftTree.chain([4, 5, 6])
+    assert policy.choose([tree], [rejecting]).trees[0] is tree
+    assert not DraftingPolicy(LatencyModel(prior=MILD)).choose([tree], [rejecting], sampling=True).drafted
 
 
 def test_steps_that_say_nothing_of_drafting_are_not_measured():

@@ -16,7 +16,13 @@ from tiny import make_tiny_model
 
 import draftwise
 from draftwise.decoding.drafter import Drafter
-from draftwise.decoding.sampling import SamplingParams, row_histories, transform_logits
+from draftwise.decoding.sampling import (
+    SamplingParams,
+    _probabilities_by_sorting,
+    row_histories,
+    target_probabilities,
+    transform_logits,
+)
 from draftwise.decoding.tree import DraftTree
 from draftwise.decoding.verify import recursive_rejection, verify_probabilistic, verify_sampled
 
@@ -216,6 +222,93 @@ def test_transforms_match_transformers_order():
     for row, history in enumerate(row_histories(context, tree)):
         expected = reference(torch.tensor([history]), logits[row : row + 1].clone())
         assert torch.equal(ours[row : row + 1], expected)
+
+
+#: The distribution paths: the compiled kernel (CPUs) and torch's operations (elsewhere).
+DISTRIBUTION_PATHS = {"kernel": target_probabilities, "torch": _probabilities_by_sorting}
+#: Option sets covering every transform alone and together.
+TRANSFORM_OPTIONS = [
+    {"temperature": 1.0},
+    {"temperature": 0.6},
+    {"temperature": 0.7, "top_p": 0.9},
+    {"temperature": 1.3, "top_p": 0.5},
+    {"temperature": 0.8, "top_k": 7},
+    {"temperature": 0.9, "top_k": 100},
+    {"temperature": 0.7, "min_p": 0.05},
+    {"temperature": 0.7, "top_k": 50, "top_p": 0.95, "min_p": 0.02},
+]
+
+
+def transformers_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return torch.softmax(transform_logits(logits, params, [0]), dim=-1)
+
+
+def assert_same_distribution_rows(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """The same kept set (probabilities below 1e-30 count as dropped: exp underflows differently) and
+    probabilities within float tolerance."""
+    assert torch.equal(ours > 1e-30, reference > 1e-30), "a different set of tokens kept"
+    assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-7), float((ours - reference).abs().max())
+
+
+@pytest.fixture(params=list(DISTRIBUTION_PATHS))
+def distribution_path(request):
+    if request.param == "kernel":
+        from draftwise.backend import native
+
+        if native.load_kernels(warn=False) is None:
+            pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    return DISTRIBUTION_PATHS[request.param]
+
+
+@pytest.mark.parametrize("options", TRANSFORM_OPTIONS, ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()))
+@pytest.mark.parametrize("width", [5, 37, 1000, 49152])
+def test_distribution_equals_transformers_warpers(distribution_path, options, width):
+    """Temperature, top-k, top-p and min-p and the softmax of every row as transformers' warpers give them, on
+    random logits of several spreads and widths (including ones no vector width divides)."""
+    generator = torch.Generator().manual_seed(width)
+    params = SamplingParams(**options)
+    for spread in (0.5, 3.0, 12.0):
+        logits = torch.randn(4, width, generator=generator) * spread
+        assert_same_distribution_rows(distribution_path(logits, params), transformers_probabilities(logits, params))
+
+
+def test_distribution_ties_at_the_top_p_boundary(distribution_path):
+    """Tokens tied at the top-p boundary: as many are kept as transformers keeps, the lower ids first (transformers'
+    own pick among them follows its unstable sort), and every other token as in transformers."""
+    width = 49152
+    logits = torch.full((1, width), -4.0)
+    logits[0, [7, 300, 4000, 9000, 20000]] = 1.0  # five tied tokens
+    logits[0, 123] = 3.0
+    probabilities = torch.softmax(logits, -1)[0]
+    for extra in (0.5, 1.5, 2.5, 3.5, 4.5):
+        params = SamplingParams(temperature=1.0, top_p=float(probabilities[123] + extra * probabilities[7]))
+        ours = distribution_path(logits, params)[0]
+        reference = transformers_probabilities(logits, params)[0]
+        tied = torch.tensor([7, 300, 4000, 9000, 20000])
+        assert int((ours[tied] > 0).sum()) == int((reference[tied] > 0).sum()) == int(extra) + 1
+        assert torch.equal(ours[tied] > 0, torch.arange(5) < int(extra) + 1)
+        others = torch.ones(width, dtype=torch.bool)
+        others[tied] = False
+        assert torch.equal(ours[others] > 0, reference[others] > 0)
+        assert torch.allclose(ours[ours > 0].sum(), torch.tensor(1.0))
+
+
+def test_distribution_of_a_row_is_bitwise_alone_or_in_a_batch(distribution_path):
+    """A row's distribution is computed from that row alone: bitwise the same in a call of one row or of nine, and
+    from bfloat16 logits the same as from their float32 values."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 4099, generator=generator) * 4).bfloat16()
+    for options in TRANSFORM_OPTIONS:
+        params = SamplingParams(**options)
+        together = distribution_path(logits, params)
+        for row in range(9):
+            assert torch.equal(distribution_path(logits[row : row + 1], params)[0], together[row])
+        assert torch.equal(distribution_path(logits.float(), params), together)
+
+
+def test_distribution_refuses_greedy():
+    with pytest.raises(ValueError, match="greedy"):
+        target_probabilities(torch.zeros(1, 4), SamplingParams())
 
 
 # ---------------------------------------------------------------- end to end on a tiny model

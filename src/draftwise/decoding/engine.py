@@ -30,7 +30,7 @@ from ..backend.target import Target, as_target
 from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
 from .policy import DraftingPolicy, size_trees
-from .sampling import Draws, SamplingParams, transform_logits
+from .sampling import Draws, SamplingParams, penalized_logits, target_probabilities
 from .stats import GenerationStats
 from .tree import DraftTree
 from .verify import Verification, greedy_choice, verify_greedy, verify_probabilistic, verify_sampled
@@ -134,17 +134,18 @@ def verify(
     sampling: SamplingParams,
     draws: Draws | None = None,
 ) -> tuple[Verification, torch.Tensor]:
-    """Verify ``tree`` against the target's logits at every row; returns the outcome and the transformed logits.
+    """Verify ``tree`` against the target's logits at every row; returns the outcome and the logits the drafter
+    observes (after the repetition penalty, the one transform that changes which token is most likely).
 
     The user's transforms (repetition penalty, temperature, top-k, top-p, min-p) shape the target distribution of
     every row exactly as in plain decoding. Greedy takes :func:`~draftwise.decoding.verify.greedy_choice` of each
     row; sampling draws node by node (:func:`~draftwise.decoding.verify.verify_sampled`), or by rejection sampling
     when the tree carries the draft distributions it was sampled from.
     """
-    logits = transform_logits(logits, sampling, context, tree)
+    logits = penalized_logits(logits, sampling, context, tree)
     if sampling.greedy:
         return verify_greedy(tree, greedy_choice(logits).tolist()), logits
-    probabilities = torch.softmax(logits.float(), dim=-1)
+    probabilities = target_probabilities(logits, sampling)
     # Row 0 decides the token at the position right after the context.
     position = len(context)
     if tree.draft_probs is not None and len(tree):
@@ -285,11 +286,13 @@ class Decoder:
             elapsed = time.perf_counter() - started
             sequence.stats.draft_time_s += elapsed
             draft_seconds += elapsed
+        sampling = any(not sequence.sampling.greedy for sequence in active)
         choice = self.policy.choose(
             trees,
             [sequence.stats for sequence in active],
             draft_seconds=draft_seconds,
             batch_chains=self.target.batch_chains,
+            sampling=sampling,
         )
         trees = choice.trees
         want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
@@ -321,6 +324,7 @@ class Decoder:
             sum(len(verification.tokens) for verification, _ in verifications),
             time.perf_counter() - step_started,
             exploring=choice.exploring,
+            sampling=sampling,
         )
         return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]
 

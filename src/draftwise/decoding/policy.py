@@ -10,6 +10,10 @@ The :class:`~draftwise.decoding.engine.Decoder` runs the mechanism (draft -> ver
   already costs more per row, verifies fewer drafts, none once they stop paying. Unscored trees are verified whole
   when alone; in a batch they are first scored from their sequence's acceptance so far
   (:func:`scored_by_acceptance`), so they are priced like scored ones.
+* **Sampling.** Drafters score nodes for agreement with the model's most likely token, which a sampled token
+  shares less often. Under sampling every draft is priced by its sequence's measured acceptance
+  (:func:`priced_by_acceptance`: at its own temperature, with its own drafter), alone as in a batch, and the
+  throughput judging below runs at batch 1 too: drafting pays or stays off.
 * **Pauses.** When a step's kept drafts were not worth their drafting time (their expected gain, drafting time
   included, below plain steps'), drafters are not asked for the next few steps at this batch size (1, 2, 4, ... up
   to :attr:`DraftingPolicy.MAX_DRAFT_PAUSE`), then tried again; at large batch, where the forward is dear and every
@@ -19,7 +23,7 @@ The :class:`~draftwise.decoding.engine.Decoder` runs the mechanism (draft -> ver
   cost rule prices drafts from estimates; in a batch the first draft brings costs those see late (its rows' wider
   attention products, linear products past the memory-bound regime), and this keeps a batch from running slower
   than plain decoding. Where steps without drafts are rare, one is run now and then to measure them. Batch 1 keeps
-  the cost rule alone.
+  the cost rule alone, except under sampling.
 * **Exploration** (:func:`explore`). Drafters learn their acceptance from verified nodes only: a source whose
   estimate fell below break-even would never be verified again, so never corrected. After
   :attr:`DraftingPolicy.EXPLORE_EVERY` steps without a verified node, when the cost rule drops every node on offer,
@@ -113,17 +117,42 @@ def scored_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
     shared evenly among its siblings; so a batch can price such drafts against its forward's cost like scored ones."""
     if tree.scores is not None or not len(tree):
         return tree
-    children = [0] * (len(tree) + 1)  # by parent row: the root is row 0
-    for parent in tree.parents:
-        children[parent + 1] += 1
+    return DraftTree(tree.tokens, tree.parents, _acceptance_scores(tree, stats), tree.draft_probs)
+
+
+def priced_by_acceptance(tree: DraftTree, stats: GenerationStats) -> DraftTree:
+    """``tree`` with every score at most what the sequence's measured acceptance supports (unscored trees as in
+    :func:`scored_by_acceptance`).
+
+    Drafters score a node by how likely it is to be the model's most likely token; a sampled token agrees with it
+    less often (at temperature 1 the chance is the model's probability of the draft token), so under sampling
+    drafters' scores overstate acceptance. Here a scored node keeps the lower of its drafter's score and its parent's
+    times the measured rate at its depth, shared among its siblings in proportion to their scores: what a sequence
+    measures at its own temperature and with its own drafter prices its drafts."""
+    if tree.scores is None or not len(tree):
+        return scored_by_acceptance(tree, stats)
+    measured = _acceptance_scores(tree, stats, shares=tree.scores)
+    # (both sequences never grow along a path, so neither does their minimum)
+    return DraftTree(tree.tokens, tree.parents, tuple(min(a, b) for a, b in zip(tree.scores, measured)),
+                     tree.draft_probs)
+
+
+def _acceptance_scores(tree: DraftTree, stats: GenerationStats, shares: Sequence[float] | None = None
+                       ) -> tuple[float, ...]:
+    """Each node's parent's score times the measured acceptance rate at its depth (Laplace-smoothed), split among
+    siblings evenly or in proportion to ``shares``."""
+    weight = [0.0] * (len(tree) + 1)  # siblings' total share, by parent row: the root is row 0
+    for node, parent in enumerate(tree.parents):
+        weight[parent + 1] += shares[node] if shares is not None else 1.0
     scores: list[float] = []
     for node, parent in enumerate(tree.parents):
         depth = tree.depths[node] - 1
         attempts = stats.attempts_per_position[depth] if depth < len(stats.attempts_per_position) else 0
         accepts = stats.accepts_per_position[depth] if depth < len(stats.accepts_per_position) else 0
         base = 1.0 if parent == ROOT else scores[parent]
-        scores.append(base * (accepts + 1) / (attempts + 2) / children[parent + 1])
-    return DraftTree(tree.tokens, tree.parents, tuple(scores), tree.draft_probs)
+        share = (shares[node] if shares is not None else 1.0) / weight[parent + 1] if weight[parent + 1] > 0 else 0.0
+        scores.append(base * (accepts + 1) / (attempts + 2) * share)
+    return tuple(scores)
 
 
 class MeasuredRate(NamedTuple):
@@ -256,23 +285,27 @@ class DraftingPolicy:
         *,
         draft_seconds: float = 0.0,
         batch_chains: bool = False,
+        sampling: bool = False,
     ) -> Choice:
         """The trees to verify of the drafters' ``trees`` (one per sequence, ``stats`` their sequences' counters),
-        which took ``draft_seconds`` to draft.
+        which took ``draft_seconds`` to draft; ``sampling``: some sequence samples.
 
         A batch first prices every draft (unscored trees by :func:`scored_by_acceptance`; alone, a drafter's
         unscored tree is verified whole), keeping each tree's best path where the target verifies a batch's chains
-        only (``batch_chains``); then the cost rule (:func:`size_trees`) keeps what pays. Were nothing kept of what
-        was offered, after :attr:`EXPLORE_EVERY` steps without a verified node the best node is explored
-        (:func:`explore`); otherwise, if anything was offered, :meth:`judge_drafting` weighs the drafts against
-        their drafting time.
+        only (``batch_chains``). Under sampling every draft, alone or in a batch, scored or not, is priced by its
+        sequence's measured acceptance (:func:`priced_by_acceptance`). Then the cost rule (:func:`size_trees`)
+        keeps what pays. Were nothing kept of what was offered, after :attr:`EXPLORE_EVERY` steps without a
+        verified node the best node is explored (:func:`explore`); otherwise, if anything was offered,
+        :meth:`judge_drafting` weighs the drafts against their drafting time.
         """
         batch_size = len(trees)
         offered = sum(len(tree) for tree in trees)
-        if batch_size > 1:
+        if sampling:
+            trees = [priced_by_acceptance(tree, sequence_stats) for tree, sequence_stats in zip(trees, stats)]
+        elif batch_size > 1:
             trees = [scored_by_acceptance(tree, sequence_stats) for tree, sequence_stats in zip(trees, stats)]
-            if batch_chains:
-                trees = [tree.best_path() for tree in trees]
+        if batch_size > 1 and batch_chains:
+            trees = [tree.best_path() for tree in trees]
         offers, sized = trees, size_trees(trees, self.latency)
         state = self.state(batch_size)
         since_verified = state.steps_since_verified_draft + 1
@@ -310,7 +343,8 @@ class DraftingPolicy:
             state.paused_steps_left = state.pause_length
 
     def after_step(
-        self, batch_size: int, drafted: bool, tokens: int, seconds: float, *, exploring: bool = False
+        self, batch_size: int, drafted: bool, tokens: int, seconds: float, *, exploring: bool = False,
+        sampling: bool = False,
     ) -> None:
         """Judge drafting by throughput after a step of ``batch_size`` sequences that verified drafts or not
         (``drafted``) and emitted ``tokens`` in ``seconds`` (drafting included).
@@ -320,10 +354,11 @@ class DraftingPolicy:
         kind at least), with the same backoff as :meth:`judge_drafting`; once drafted steps keep up, the backoff
         starts over. Where steps without drafts are rare (drafters that always propose something), one is run now
         and then to measure them (every :attr:`PLAIN_STEP_EVERY` drafted steps, and after every drafted step until
-        :attr:`RATE_MIN_STEPS` plain ones are measured). Batch 1 keeps the cost rule alone, and an exploring step
-        (``exploring``) is not expected to pay: it says nothing of drafting's rate.
+        :attr:`RATE_MIN_STEPS` plain ones are measured). Batch 1 keeps the cost rule alone, except under sampling
+        (``sampling``: some sequence samples), where acceptance is low and noisy enough that measured rates decide
+        too; an exploring step (``exploring``) is not expected to pay: it says nothing of drafting's rate.
         """
-        if exploring or batch_size < 2 or seconds <= 0:
+        if exploring or (batch_size < 2 and not sampling) or seconds <= 0:
             return
         state = self.state(batch_size)
         rate = tokens / seconds

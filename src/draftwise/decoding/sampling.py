@@ -1,9 +1,13 @@
 """Sampling options and the target distribution they define, identical in plain and speculative decoding.
 
-The transforms are transformers' own logits processors, applied in the order ``generate`` applies them (repetition
-penalty, temperature, top-k, top-p, min-p), so every option means exactly what it means in transformers. In a
-verification forward each row gets the history it would have in plain decoding: the context plus the draft path
-down to that row.
+Every option means exactly what it means in transformers, applied in the order ``generate`` applies them
+(repetition penalty, temperature, top-k, top-p, min-p). :func:`target_probabilities` computes the distribution of
+every row of a verification forward at once: the repetition penalty with transformers' own processor (each row
+with the history it would have in plain decoding: the context plus the draft path down to that row), the other
+transforms and the softmax in one pass per row on CPUs (:func:`draftwise.backend.native.sampling_probabilities`:
+top-k and top-p by selection, where transformers' top-p sorts the whole vocabulary), and with torch's operations
+elsewhere. :func:`transform_logits` applies transformers' processors themselves: the reference both are tested
+against.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..backend import native
 from ..errors import InvalidRequestError, UnsupportedOptionError
 from .tree import DraftTree
 
@@ -141,6 +146,56 @@ class SamplingParams:
         return generator
 
 
+def penalized_logits(
+    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], tree: DraftTree | None = None
+) -> torch.Tensor:
+    """The logits of every row (row 0 = root, row i + 1 = node i) after the repetition penalty, the one transform
+    that reads the history (and the only one greedy decoding applies); ``logits`` itself when there is none."""
+    if params.repetition_penalty == 1.0:
+        return logits
+    histories = row_histories(context, tree if tree is not None else DraftTree())[: logits.shape[0]]
+    width = max(len(history) for history in histories)
+    # Padding repeats the last context token, which is in every history already: the penalty sees the same set.
+    padded = [history + [context[-1]] * (width - len(history)) for history in histories]
+    input_ids = torch.tensor(padded, dtype=torch.long, device=logits.device)
+    return RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, logits.float().clone())
+
+
+def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution (float32) of every row of ``logits`` (already penalized, see
+    :func:`penalized_logits`): temperature, top-k, top-p and min-p with transformers' semantics, then softmax.
+
+    Each row's distribution is computed from that row alone, so a verification row's is bitwise plain decoding's.
+    """
+    if params.greedy:
+        raise ValueError("greedy decoding has no sampling distribution (temperature is 0)")
+    probabilities = native.sampling_probabilities(logits, params.temperature, params.top_k, params.top_p,
+                                                  params.min_p)
+    return probabilities if probabilities is not None else _probabilities_by_sorting(logits, params)
+
+
+def _probabilities_by_sorting(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`target_probabilities` with torch's operations (off the CPU, or where the kernels cannot be built):
+    the same rules as the kernel, the nucleus found by sorting."""
+    scaled = logits.float() / params.temperature
+    width = scaled.shape[-1]
+    if 0 < params.top_k < width:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probabilities = torch.softmax(scaled, dim=-1)
+    keep = probabilities > 0
+    if params.top_p < 1.0:
+        # Rank order: larger first, ties by index (the lower first, as greedy decoding breaks them).
+        ranked, order = torch.sort(probabilities, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(ranked.double(), dim=-1) - ranked.double()
+        in_nucleus = mass_before < params.top_p * probabilities.double().sum(-1, keepdim=True)
+        keep &= torch.zeros_like(keep).scatter(-1, order, in_nucleus)
+    if params.min_p > 0.0:
+        keep &= probabilities >= params.min_p * probabilities.amax(dim=-1, keepdim=True)
+    kept = probabilities * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
 def row_histories(context: Sequence[int], tree: DraftTree) -> list[list[int]]:
     """The token history of every row of a verification forward: the context, plus the path down to the row."""
     histories = [list(context)]
@@ -153,7 +208,8 @@ def row_histories(context: Sequence[int], tree: DraftTree) -> list[list[int]]:
 def transform_logits(
     logits: torch.Tensor, params: SamplingParams, context: Sequence[int], tree: DraftTree | None = None
 ) -> torch.Tensor:
-    """Apply the sampling transforms to the logits of every row (row 0 = root, row i + 1 = node i)."""
+    """transformers' processors for ``params`` applied to the logits of every row (row 0 = root, row i + 1 = node
+    i): the reference :func:`target_probabilities` is tested against (it sorts the vocabulary for top-p)."""
     processors = params.processors()
     if not processors:
         return logits

@@ -8,8 +8,10 @@ thousand multiply-adds per row, and concatenates the caches of a batch at every 
 takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. ``blocked_linear``
 (float32 on CPUs with AVX-512, bfloat16 with avx512_bf16, see :mod:`draftwise.backend.weights.products`) is the linear
 products over weights packed once by ``pack_blocked_weight``; :func:`top_tokens` ranks the rows of logits (the
-greedy token, the top predictions some drafters keep). Every kernel computes a row from that row alone, in an
-order fixed by its position and width, so a row's bits never depend on the call's size.
+greedy token, the top predictions some drafters keep) and :func:`sampling_probabilities` gives each row's
+sampling distribution (temperature, top-k, top-p and min-p by selection, not by sorting the vocabulary). Every
+kernel computes a row from that row alone, in an order fixed by its position and width, so a row's bits never
+depend on the call's size.
 
 The extension is built from its sources with the machine's compiler the first time it is needed (about a minute,
 through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed
@@ -182,6 +184,24 @@ def top_tokens(logits: torch.Tensor, k: int) -> torch.Tensor | None:
         return None
     indices, ranked = module.top_tokens(logits if logits.stride(1) == 1 else logits.contiguous(), k)
     return indices if ranked else None
+
+
+def sampling_probabilities(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor | None:
+    """Each row's sampling distribution, float32 ``(rows, width)``: ``logits`` divided by ``temperature``, cut by
+    top-k (0 = off), top-p (1 = off) and min-p (0 = off) with transformers' semantics and order, then normalised.
+    ``None`` where that is not computed here: a tensor off the CPU or of another dtype or layout, or no kernels on
+    this machine. On a CPU the kernels are built if needed rather than skipped, so that every distribution of a
+    process comes from the same code (plain decoding's and verification's rows agree bitwise)."""
+    if (logits.device.type != "cpu" or logits.dim() != 2
+            or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    module = load_kernels(warn=False)
+    if module is None:
+        return None
+    return module.sampling_probabilities(logits if logits.stride(1) == 1 else logits.contiguous(), float(temperature),
+                                         int(top_k), float(top_p), float(min_p))
 
 
 def _loaded() -> Any | None:

@@ -135,23 +135,73 @@ inline floats16 horizontal_sums(const floats16* lanes) {
            __builtin_shufflevector(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), sixteen at a time: range reduction by powers of two and a
-// degree-6 polynomial. Every element goes through these same vector instructions, wherever it sits.
-inline floats16 exp_nonpositive(floats16 x) {
-    const floats16 lowest = floats16{} - 87.0f;
+// exp(x) for x <= 0 (scores minus their maximum), a vector at a time (any lane count): range reduction by powers of
+// two and a degree-6 polynomial. Every element goes through these same instructions, wherever it sits and whatever
+// the vector's width.
+template <typename floats, typename ints>
+inline floats exp_nonpositive_lanes(floats x) {
+    const floats lowest = floats{} - 87.0f;
     x = x < lowest ? lowest : x;
-    const floats16 shifter = floats16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-    const floats16 n = (x * 1.44269504088896341f + shifter) - shifter;
-    floats16 r = x - n * 0.693145751953125f;
+    const floats shifter = floats{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+    const floats n = (x * 1.44269504088896341f + shifter) - shifter;
+    floats r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187045e-06f;
-    floats16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    floats p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
     p = p * r + 1.0f / 6.0f;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const ints16 exponent = (__builtin_convertvector(n, ints16) + 127) << 23;
-    return p * reinterpret_cast<floats16>(exponent);
+    const ints exponent = (__builtin_convertvector(n, ints) + 127) << 23;
+    return p * reinterpret_cast<floats>(exponent);
+}
+
+inline floats16 exp_nonpositive(floats16 x) { return exp_nonpositive_lanes<floats16, ints16>(x); }
+
+// The machine's own vector register of floats (16 lanes with AVX-512, 8 with AVX, 4 elsewhere). GCC lowers
+// comparisons and selections of vectors wider than the machine's to one lane at a time, several times slower than
+// the arithmetic: loops that compare lanes use this width.
+#if defined(__AVX512F__)
+constexpr int kNativeLanes = 16;
+#elif defined(__AVX__)
+constexpr int kNativeLanes = 8;
+#else
+constexpr int kNativeLanes = 4;
+#endif
+typedef float native_floats __attribute__((vector_size(4 * kNativeLanes)));
+typedef int32_t native_ints __attribute__((vector_size(4 * kNativeLanes)));
+
+inline native_floats load_native(const float* source) {
+    native_floats out;
+    std::memcpy(&out, source, sizeof(out));
+    return out;
+}
+
+inline native_floats load_native(const c10::BFloat16* source) {
+    typedef uint16_t halfwords __attribute__((vector_size(2 * kNativeLanes)));
+    typedef uint32_t words __attribute__((vector_size(4 * kNativeLanes)));
+    halfwords raw;
+    std::memcpy(&raw, source, sizeof(raw));
+    return reinterpret_cast<native_floats>(__builtin_convertvector(raw, words) << 16);
+}
+
+inline native_floats load_native(const c10::Half* source) {
+    native_floats out;
+    for (int lane = 0; lane < kNativeLanes; ++lane) out[lane] = static_cast<float>(source[lane]);
+    return out;
+}
+
+// Bit ``lane`` set where lane ``lane`` of the comparison result ``lanes`` is set.
+inline uint32_t native_mask(native_ints lanes) {
+#if defined(__AVX512DQ__)
+    return _mm512_movepi32_mask((__m512i)lanes);
+#elif defined(__AVX__) && !defined(__AVX512F__)
+    return static_cast<uint32_t>(_mm256_movemask_ps((__m256)lanes));
+#else
+    uint32_t mask = 0;
+    for (int lane = 0; lane < kNativeLanes; ++lane) mask |= (lanes[lane] != 0 ? 1u : 0u) << lane;
+    return mask;
+#endif
 }
 
 }  // namespace draftwise

@@ -1,12 +1,12 @@
 """Sampling options and the target distribution they define, identical in plain and speculative decoding.
 
 Every option means exactly what it means in transformers, applied in the order ``generate`` applies them
-(repetition penalty, temperature, top-k, top-p, min-p). :func:`target_probabilities` computes the distribution of
-every row of a verification forward at once: the repetition penalty with transformers' own processor (each row
-with the history it would have in plain decoding: the context plus the draft path down to that row), the other
-transforms and the softmax in one pass per row on CPUs (:func:`draftwise.backend.native.sampling_probabilities`:
-top-k and top-p by selection, where transformers' top-p sorts the whole vocabulary), and with torch's operations
-elsewhere. :func:`transform_logits` applies transformers' processors themselves: the reference both are tested
+(repetition penalty, temperature, top-k, top-p, min-p). :func:`penalized_logits` applies the repetition penalty with
+transformers' own processor (each row with the history it would have in plain decoding: the context plus the draft
+path down to that row); :func:`target_probabilities` then computes the distribution of every row of a verification
+forward at once, the other transforms and the softmax in one pass per row on CPUs
+(:func:`draftwise.backend.native.sampling_probabilities`: top-k and top-p by selection, where transformers' top-p
+sorts the whole vocabulary), and with torch's operations elsewhere. :func:`transform_logits` applies transformers' processors themselves: the reference both are tested
 against.
 """
 
@@ -153,12 +153,17 @@ def penalized_logits(
     that reads the history (and the only one greedy decoding applies); ``logits`` itself when there is none."""
     if params.repetition_penalty == 1.0:
         return logits
+    input_ids = history_ids(logits, context, tree)
+    return RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, logits.float().clone())
+
+
+def history_ids(logits: torch.Tensor, context: Sequence[int], tree: DraftTree | None) -> torch.Tensor:
+    """Every row's history as a ``(rows, width)`` tensor of ids on ``logits``' device, for the repetition penalty."""
     histories = row_histories(context, tree if tree is not None else DraftTree())[: logits.shape[0]]
     width = max(len(history) for history in histories)
     # Padding repeats the last context token, which is in every history already: the penalty sees the same set.
     padded = [history + [context[-1]] * (width - len(history)) for history in histories]
-    input_ids = torch.tensor(padded, dtype=torch.long, device=logits.device)
-    return RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, logits.float().clone())
+    return torch.tensor(padded, dtype=torch.long, device=logits.device)
 
 
 def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -217,9 +222,5 @@ def transform_logits(
         # Only the repetition penalty reads the history.
         input_ids = torch.zeros((logits.shape[0], 1), dtype=torch.long, device=logits.device)
     else:
-        histories = row_histories(context, tree if tree is not None else DraftTree())[: logits.shape[0]]
-        width = max(len(history) for history in histories)
-        # Padding repeats the last context token, which is in every history already: the penalty sees the same set.
-        padded = [history + [context[-1]] * (width - len(history)) for history in histories]
-        input_ids = torch.tensor(padded, dtype=torch.long, device=logits.device)
+        input_ids = history_ids(logits, context, tree)
     return processors(input_ids, logits.float().clone())

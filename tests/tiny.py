@@ -317,3 +317,17 @@ def drafter_for(method: str, model) -> Drafter:
 
         pytest.skip("layerskip drafts with the lean forward")
     return draftwise.make_drafter(method)
+
+
+def tiny_serving_model() -> tuple:
+    """``(target, tokenizer)`` of ``make_tiny_model("qwen2", seed=0)`` on the lean forward with planned rows: what a
+    server started in another process (a Ray Serve replica) loads."""
+    import tempfile
+
+    from draftwise.backend.calibration.invariance import plan_rows
+    from draftwise.backend.calibration.machine import MeasurementStore
+    from draftwise.backend.forward.lean import LeanTarget
+
+    target = LeanTarget(make_tiny_model("qwen2", seed=0))
+    plan_rows(target, MeasurementStore(tempfile.mkdtemp(prefix="draftwise-machine-")))
+    return target, ChatCharTokenizer()

@@ -418,10 +418,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Start the OpenAI-compatible server."""
     from .drafters import check_method
 
-    uvicorn, ServingEngine, create_app = _serve_dependencies()
     check_method(args.method)
     if args.max_batch < 1 or args.max_waiting < 1 or args.default_max_tokens < 1:
         raise InvalidRequestError("--max-batch, --max-waiting and --default-max-tokens must be positive")
+    if args.ray:
+        return _serve_on_ray(args)
+    ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
+                                         ("--address", args.address), ("--cpus-per-replica", args.cpus_per_replica),
+                                         ("--gpus-per-replica", args.gpus_per_replica)) if value is not None]
+    if ray_only or args.no_session_affinity:
+        raise InvalidRequestError(f"{', '.join(ray_only) or '--no-session-affinity'} needs --ray")
+    uvicorn, ServingEngine, create_app = _serve_dependencies()
     target, tokenizer = _load(args)
     _settle_heap()
     if tokenizer is None:
@@ -433,6 +440,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"draftwise: serving {name} with {args.method} on http://{args.host}:{args.port}/v1 "
           f"(batch up to {args.max_batch})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _autoscale_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidRequestError(f"--autoscale takes MIN,MAX (two integers), not {text!r}") from None
+    return low, high
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """``draftwise serve --ray``: the same server, its replicas run by Ray Serve."""
+    autoscale = _autoscale_range(args.autoscale)
+    if autoscale is not None and args.replicas is not None:
+        raise InvalidRequestError("give --replicas or --autoscale, not both")
+    replicas = args.replicas if args.replicas is not None else 1
+    if replicas < 1:
+        raise InvalidRequestError("replicas must be at least 1")
+    try:
+        from .serve.ray import build_app, run
+    except ImportError as error:
+        raise InvalidRequestError(f"--ray needs its extra: pip install 'draftwise[ray]' ({error})") from None
+    cpus = args.cpus_per_replica if args.cpus_per_replica is not None else float(args.threads or 1)
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
+    name = args.served_model_name or args.model
+    load_options = {"dtype": args.dtype, "device": args.device, "backend": args.backend, "cache_dir": args.cache_dir}
+    app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
+                    autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
+                    threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,
+                    default_max_tokens=args.default_max_tokens, session_affinity=not args.no_session_affinity,
+                    **load_options)
+    scale = f"{autoscale[0]} to {autoscale[1]} replicas" if autoscale else f"{replicas} replica(s)"
+    print(f"draftwise: serving {name} with {args.method} on Ray Serve, {scale} of {cpus:g} CPU(s), "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    run(app, address=args.address, host=args.host, port=args.port)
     return 0
 
 
@@ -605,6 +652,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=int, default=256,
                        help="tokens generated when a request gives no max_tokens (default 256)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ray_group = serve.add_argument_group("scale-out on Ray Serve (pip install 'draftwise[ray]')")
+    ray_group.add_argument("--ray", action="store_true", help="run replicas of the server on Ray Serve")
+    ray_group.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
+    ray_group.add_argument("--autoscale", default=None, metavar="MIN,MAX",
+                           help="autoscale between MIN and MAX replicas on ongoing requests (instead of --replicas)")
+    ray_group.add_argument("--address", default=None,
+                           help="Ray cluster to join: auto, or ray://head:10001 (default: start a local one)")
+    ray_group.add_argument("--cpus-per-replica", type=float, default=None,
+                           help="CPUs each replica reserves (default: --threads, or 1)")
+    ray_group.add_argument("--gpus-per-replica", type=float, default=None,
+                           help="GPUs each replica reserves (default: 1 with --device cuda, else 0)")
+    ray_group.add_argument("--no-session-affinity", action="store_true",
+                           help="ignore the x-session-id header (power-of-two-choices routing for every request)")
     _add_model_arguments(serve)
     serve.set_defaults(handler=cmd_serve)
 

@@ -323,6 +323,12 @@ def test_engine_rejects_what_it_cannot_serve(target):
     (["serve", "--method", "nope"], "nope"),
     (["serve", "--max-batch", "0"], "--max-batch"),
     (["loadtest", "--requests", "0"], "--requests"),
+    (["serve", "--ray", "--autoscale", "2"], "--autoscale takes MIN,MAX"),
+    (["serve", "--ray", "--autoscale", "3,1"], "autoscale needs"),
+    (["serve", "--ray", "--replicas", "0"], "replicas must be at least 1"),
+    (["serve", "--ray", "--replicas", "2", "--autoscale", "1,3"], "not both"),
+    (["serve", "--replicas", "2"], "--replicas needs --ray"),
+    (["serve", "--ray", "--model", "/no/such/model.gguf"], "unknown model"),
 ])
 def test_serve_and_loadtest_commands_refuse_bad_options(capsys, arguments, message):
     from draftwise import cli

@@ -247,12 +247,21 @@ class Server:
         ]}
 
 
-def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
-    """The FastAPI application serving ``engine`` under ``model_name`` (the engine runs while the app does)."""
+def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int = DEFAULT_MAX_TOKENS, *,
+               manage_engine: bool = True, replica: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine`` under ``model_name``.
+
+    With ``manage_engine`` the engine starts and stops with the app; without it the caller owns the engine's
+    worker thread (a Ray Serve replica starts it in its constructor and stops it when the replica goes).
+    ``replica`` names this copy of the server in every response's ``x-draftwise-replica`` header (scale-out).
+    """
     server = Server(engine, model_name, default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not manage_engine:
+            yield
+            return
         engine.start()
         try:
             yield
@@ -261,6 +270,8 @@ def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int =
 
     app = FastAPI(title="draftwise", lifespan=lifespan)
     app.state.server = server
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, replica=replica)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -276,6 +287,8 @@ def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int =
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        if not engine.alive:
+            raise APIError(503, "the decoding engine has stopped", kind="server_error", code="engine_dead")
         return {"status": "ok", "running": engine.running, "waiting": engine.waiting}
 
     @app.get("/metrics")
@@ -297,6 +310,27 @@ def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int =
         return await server.handle("chat.completion", body, request)
 
     return app
+
+
+class ReplicaHeader:
+    """ASGI middleware: every HTTP response names the replica that answered (``x-draftwise-replica``); a pure ASGI
+    wrapper, so streamed responses pass through untouched."""
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app = app
+        self.header = (b"x-draftwise-replica", replica.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 def _validation_message(error: RequestValidationError) -> str:

@@ -173,6 +173,11 @@ class ServingEngine:
             self._thread = None
 
     @property
+    def alive(self) -> bool:
+        """Whether the worker thread is running (a stopped or crashed engine serves nothing)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def running(self) -> int:
         return len(self.scheduler.running)
 

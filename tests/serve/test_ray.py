@@ -230,6 +230,21 @@ def test_a_killed_replica_fails_its_requests_and_comes_back(cluster, reference):
     assert running_replicas() == 2
 
 
+def test_deployment_options_follow_the_scheduler():
+    deployment = build_app("smollm2-135m", autoscale=(1, 3), max_batch=8, max_waiting=100, cpus_per_replica=2,
+                           dtype="float32")._bound_deployment
+    config = deployment._deployment_config
+    assert deployment.max_ongoing_requests == 16  # one batch running, one waiting
+    assert config.autoscaling_config.target_ongoing_requests == 8  # scale out past one full batch per replica
+    assert (config.autoscaling_config.min_replicas, config.autoscaling_config.max_replicas) == (1, 3)
+    assert config.max_queued_requests == 300
+    assert deployment.ray_actor_options == {"num_cpus": 2, "num_gpus": 0.0}
+    assert config.request_router_config.request_router_class.endswith("SessionAffinityRouter")
+    fixed = build_app("smollm2-135m", replicas=2, session_affinity=False)._bound_deployment
+    assert fixed.num_replicas == 2
+    assert not fixed._deployment_config.request_router_config.request_router_class.endswith("SessionAffinityRouter")
+
+
 def test_replica_limits_and_bad_options():
     assert replica_limits(16, 256) == (32, 16)
     assert replica_limits(4, 2) == (6, 4)
@@ -241,3 +256,7 @@ def test_replica_limits_and_bad_options():
         build_app(tiny_serving_model)
     with pytest.raises(Exception, match="unknown"):
         build_app("smollm2-135m", method="no-such-method")
+    with pytest.raises(Exception, match="unknown dtype"):
+        build_app("smollm2-135m", dtype="float8")
+    with pytest.raises(InvalidRequestError, match="gpus_per_replica"):
+        build_app("smollm2-135m", device="cuda")

@@ -110,10 +110,13 @@ class StopSequences:
         tail = self.tokenizer.decode(output_ids[-self.window :], skip_special_tokens=False)
         return any(text in tail for text in self.stop)
 
-    def cut(self, text: str) -> str:
-        """``text`` up to the first stop sequence in it."""
-        positions = [text.find(stop) for stop in self.stop if stop in text]
-        return text[: min(positions)] if positions else text
+    def cut(self, text: str, keep_stop: bool = False) -> str:
+        """``text`` up to the first stop sequence in it (up to its end with ``keep_stop``)."""
+        found = [(text.find(stop), len(stop)) for stop in self.stop if stop in text]
+        if not found:
+            return text
+        start, size = min(found)
+        return text[: start + size] if keep_stop else text[:start]
 
     def held_back(self, text: str) -> int:
         """How many trailing characters of ``text`` could still be the start of a stop sequence."""
@@ -131,16 +134,19 @@ class SettledText:
     stop sequence, or an incomplete character, is held back until the next tokens decide it; at the end the text is
     cut before a matched stop sequence. The pieces join to exactly the final text."""
 
-    def __init__(self, tokenizer: Any, stops: StopSequences | None = None) -> None:
+    def __init__(self, tokenizer: Any, stops: StopSequences | None = None, keep_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.keep_stop = keep_stop  # the matched stop sequence stays in the text
+        self.skip_special_tokens = skip_special_tokens
         self.sent = 0
 
     def advance(self, output_ids: Sequence[int], finished: bool) -> str:
         """The newly settled text of ``output_ids`` (the whole output so far); ``""`` when nothing settled."""
-        text = _decode_text(self.tokenizer, output_ids)
+        text = _decode_text(self.tokenizer, output_ids, self.skip_special_tokens)
         if finished:
-            text = self.stops.cut(text) if self.stops else text
+            text = self.stops.cut(text, self.keep_stop) if self.stops else text
             ready = len(text)
         else:
             ready = len(text) - (self.stops.held_back(text) if self.stops else 0)
@@ -465,5 +471,5 @@ def _result(request: _Request, state: SequenceState) -> GenerationResult:
     )
 
 
-def _decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+def _decode_text(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""

@@ -151,6 +151,56 @@ def test_stream_one_token_per_event_joins_to_the_text(server, target):
     assert "".join(chunk.choices[0].delta.content for chunk in chat_chunks) == expected_chat.text
 
 
+def test_vllm_request_extensions(server, target):
+    """What vLLM's clients and load tools send: usage in every chunk, no model name, stop token ids, the stop string
+    kept in the output."""
+    prompt = text_prompt(11)
+    plain = draftwise.generate(target, ChatCharTokenizer(), prompt, method="ar", max_new_tokens=30)
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    token_chunks = [chunk for chunk in chunks if chunk.choices]
+    assert [chunk.usage.completion_tokens for chunk in token_chunks] == list(range(1, 31))
+    assert all(chunk.usage.prompt_tokens == len(plain.prompt_ids) for chunk in token_chunks)
+    assert "".join(chunk.choices[0].text for chunk in token_chunks) == plain.text
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 30
+
+    status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 30, "temperature": 0})
+    assert status == 200 and body["model"] == MODEL and body["choices"][0]["text"] == plain.text
+
+    stop_token = plain.token_ids[12]
+    first = plain.token_ids.index(stop_token)
+    for ignore_eos in (False, True):
+        status, body = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 30,
+                                                        "temperature": 0, "stop_token_ids": [stop_token],
+                                                        "ignore_eos": ignore_eos})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+        assert body["usage"]["completion_tokens"] == first + 1  # the stop token is kept, as in vLLM
+        assert body["choices"][0]["text"] == ChatCharTokenizer().decode(plain.token_ids[: first + 1])
+
+    stop = plain.text[10:12]
+    cut = plain.text.index(stop)
+    kept = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                            extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == plain.text[: cut + len(stop)] and kept.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                                stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == plain.text[: cut + len(stop)]
+
+    echoed = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.text
+    by_ids = server.client.completions.create(model=MODEL, prompt=plain.prompt_ids, max_tokens=30, temperature=0,
+                                              echo=True)
+    assert by_ids.choices[0].text == prompt + plain.text
+    streamed = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                                     echo=True, stream=True))
+    assert streamed[0].choices[0].text == prompt and len(streamed) == 31
+    assert "".join(chunk.choices[0].text for chunk in streamed) == prompt + plain.text
+    status, body = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                                                         "echo": True})
+    assert status == 400 and "'echo'" in body["error"]["message"]
+
+
 def test_stop_sequences_and_seeded_sampling(server, target):
     prompt = text_prompt(9)
     plain = draftwise.generate(target, ChatCharTokenizer(), prompt, method="ar", max_new_tokens=30)
@@ -185,7 +235,8 @@ def test_stop_sequences_and_seeded_sampling(server, target):
     ({"model": MODEL, "prompt": "Āā", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "Āā", "temperature": 0, "top_p": 0.5}, 400, "top_p"),
     ({"model": MODEL, "prompt": [1, 2, 9999]}, 400, "token ids"),
-    ({"prompt": "Āā"}, 400, "'model' is required"),
+    ({"model": MODEL, "prompt": "Āā", "min_tokens": 4}, 400, "'min_tokens'"),
+    ({"model": MODEL, "prompt": "Āā", "stop_token_ids": [9999]}, 400, "stop_token_ids"),
 ])
 def test_bad_completion_requests(server, body, status, message):
     code, answer = server.post("/v1/completions", body)

@@ -81,6 +81,12 @@ class _Job:
     stops: StopSequences | None
     identifier: str
     created: int
+    keep_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    echo: str = ""  # the prompt's text, sent before the answer (completions with echo)
+
+    def settled_text(self, tokenizer: Any) -> SettledText:
+        return SettledText(tokenizer, self.stops, self.keep_stop, self.skip_special_tokens)
 
 
 class Server:
@@ -100,8 +106,8 @@ class Server:
 
     # -- requests -------------------------------------------------------------------------------------------------
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            code="model_not_found")
 
@@ -116,15 +122,20 @@ class Server:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         stops = request.stops()
+        stop_ids = request.stop_token_ids or []
+        vocab = self.engine.target.config.vocab_size
+        if any(token < 0 or token >= vocab for token in stop_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
         try:
-            ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos)
+            ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids)
         except ServerBusyError as error:
             self.engine.metrics.request_refused()
             raise APIError(503, str(error), kind="server_overloaded", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
         return _Job(kind, prompt_ids, events, ticket, StopSequences(self.engine.tokenizer, stops) if stops else None,
-                    f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+                    f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request.include_stop_str_in_output,
+                    request.skip_special_tokens)
 
     def _prompt_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -140,9 +151,15 @@ class Server:
     async def handle(self, kind: str, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         self._check_model(request.model)
         job = await self._submit(kind, request, self._prompt_ids(request))
+        if isinstance(request, CompletionRequest) and request.echo:
+            prompt = request.prompt
+            job.echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
+                prompt, skip_special_tokens=request.skip_special_tokens)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return StreamingResponse(self._stream(job, include_usage), media_type="text/event-stream",
+            options = request.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+            return StreamingResponse(self._stream(job, include_usage, continuous_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return JSONResponse(await self._complete(job, http))
 
@@ -179,10 +196,10 @@ class Server:
                 break
         if event.finish_reason == "error":
             raise APIError(500, event.error or "the engine failed", kind="server_error")
-        text = SettledText(self.engine.tokenizer, job.stops).advance(tokens, finished=True)
+        text = job.settled_text(self.engine.tokenizer).advance(tokens, finished=True)
         reason = FINISH_REASONS.get(event.finish_reason, event.finish_reason)
         if job.kind == "text_completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": 0, "text": job.echo + text, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -198,11 +215,12 @@ class Server:
             "draftwise": speculation_stats(event.stats or GenerationStats(), self.engine.method),
         }
 
-    async def _stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, job: _Job, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         """One server-sent event per generated token (its settled text, possibly empty while a stop sequence or
-        a character is undecided), the finish reason with the last token; then the usage chunk when asked for."""
+        a character is undecided), the finish reason with the last token; then the usage chunk when asked for.
+        With ``continuous_usage`` every token's chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
         chunk_object = "text_completion" if job.kind == "text_completion" else "chat.completion.chunk"
-        settled = SettledText(self.engine.tokenizer, job.stops)
+        settled = job.settled_text(self.engine.tokenizer)
         tokens: list[int] = []
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -213,6 +231,10 @@ class Server:
         finished = False
         try:
             first = True
+            if job.echo:  # the prompt first, as vLLM streams an echo
+                usage = {"usage": self._usage(job, 0) if continuous_usage else None} if include_usage else {}
+                yield chunk([self._chunk_choice(job, job.echo, None, first)], **usage)
+                first = False
             while not finished:
                 event = await self._next_event(job, None)
                 if event.finish_reason == "error":
@@ -224,7 +246,9 @@ class Server:
                     tokens.append(token)
                     last = position == len(event.tokens) - 1 and event.finish_reason is not None
                     piece = settled.advance(tokens, finished=last)
-                    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+                    extra: dict[str, Any] = {}
+                    if include_usage:
+                        extra["usage"] = self._usage(job, len(tokens)) if continuous_usage else None
                     if last:
                         extra["draftwise"] = speculation_stats(event.stats or GenerationStats(), self.engine.method)
                     reason = event.finish_reason if last else None

@@ -126,9 +126,11 @@ class ServingEngine:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
     ) -> Ticket:
         """Queue a request; ``on_event`` is called on the worker thread with each step's tokens for it
-        (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``).
+        (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``; ``stop_token_ids``: more
+        tokens that end it, kept in the output, as vLLM does, even with ``ignore_eos``).
 
         Raises:
             InvalidRequestError: a request the engine cannot serve.
@@ -141,7 +143,7 @@ class ServingEngine:
             sampling=sampling or SamplingParams(),
             stops=StopSequences(self.tokenizer, list(stop)) if stop else None,
             on_event=on_event,
-            eos=() if ignore_eos else tuple(self.eos),
+            eos=(() if ignore_eos else tuple(self.eos)) + tuple(int(token) for token in stop_token_ids),
         )
         with self._lock:
             if self._pending + len(self.scheduler.waiting) >= self.max_waiting:

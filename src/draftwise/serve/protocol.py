@@ -2,8 +2,11 @@
 
 Every option is either honoured exactly or refused with a 400 that names it: an option the engine cannot honour
 (``n > 1``, ``logprobs``, presence and frequency penalties, ``logit_bias``, tools ...) is accepted only at the value
-that means "off", and an unknown field is refused, never silently dropped. Beyond OpenAI's names, ``top_k``,
-``min_p``, ``repetition_penalty`` (transformers' meanings) and ``ignore_eos`` are accepted, as vLLM does.
+that means "off", and an unknown field is refused, never silently dropped. Beyond OpenAI's names, vLLM's request
+extensions with a meaning here are honoured as vLLM honours them: ``top_k``, ``min_p``, ``repetition_penalty``
+(transformers' meanings), ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``stream_options.continuous_usage_stats`` and ``echo`` on completions; ``model`` may be
+omitted (the served model).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
 }
 
 #: OpenAI's default temperature (1.0: sampling); send 0 for greedy decoding.
@@ -37,8 +41,12 @@ DEFAULT_TEMPERATURE = 1.0
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the usage; with ``continuous_usage_stats`` too, every chunk carries the
+    usage so far (vLLM's extension)."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
@@ -46,7 +54,7 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's rule)
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -59,6 +67,9 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: nothing to honour
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Accepted only at their "off" values (see OFF_ONLY).
     n: int | None = None
     best_of: int | None = None
@@ -68,10 +79,11 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
 
     def refuse_unsupported(self) -> None:
         """Refuse every option set to a value the engine cannot honour."""
-        for name, off in OFF_ONLY.items():
+        for name, off in self._off_only().items():
             value = getattr(self, name, None)
             if value not in off:
                 raise UnsupportedOptionError(
@@ -79,6 +91,9 @@ class _Request(BaseModel):
                 )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true")
+
+    def _off_only(self) -> dict[str, tuple[Any, ...]]:
+        return OFF_ONLY
 
     def sampling(self) -> SamplingParams:
         """The sampling options (OpenAI's default temperature is 1.0; 0 means greedy)."""
@@ -111,6 +126,10 @@ class CompletionRequest(_Request):
 
     prompt: str | list[int]
     suffix: str | None = None
+
+    def _off_only(self) -> dict[str, tuple[Any, ...]]:
+        # ``echo`` is honoured for completions (the prompt's text before the answer), not for chat.
+        return {name: off for name, off in OFF_ONLY.items() if name != "echo"}
 
     @field_validator("prompt")
     @classmethod

@@ -122,10 +122,7 @@ class Server:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         stops = request.stops()
-        stop_ids = request.stop_token_ids or []
-        vocab = self.engine.target.config.vocab_size
-        if any(token < 0 or token >= vocab for token in stop_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
+        stop_ids = self._token_ids(request.stop_token_ids or [], "stop_token_ids")
         try:
             ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids)
         except ServerBusyError as error:
@@ -143,10 +140,14 @@ class Server:
             return encode_prompt(tokenizer, request.chat(), chat_template=True)
         if isinstance(request.prompt, str):
             return encode_prompt(tokenizer, request.prompt, chat_template=False)
+        return self._token_ids(request.prompt, "prompt token ids")
+
+    def _token_ids(self, ids: list[int], what: str) -> list[int]:
+        """``ids`` as given, or a 400 when one is outside the model's vocabulary."""
         vocab = self.engine.target.config.vocab_size
-        if any(token < 0 or token >= vocab for token in request.prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        return list(request.prompt)
+        if any(token < 0 or token >= vocab for token in ids):
+            raise InvalidRequestError(f"{what} must be in [0, {vocab})")
+        return list(ids)
 
     async def handle(self, kind: str, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         self._check_model(request.model)

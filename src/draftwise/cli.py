@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .bench.prompts import DATASETS
+from .decoding.batch import DEFAULT_MAX_PREFILL_ROWS
 from .errors import DraftwiseError, InvalidRequestError
 from .models import DEFAULT_MODEL, PRESETS, default_cache_dir, install_preset, is_installed
 
@@ -419,8 +420,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .drafters import check_method
 
     check_method(args.method)
-    if args.max_batch < 1 or args.max_waiting < 1 or args.default_max_tokens < 1:
-        raise InvalidRequestError("--max-batch, --max-waiting and --default-max-tokens must be positive")
+    if min(args.max_batch, args.max_waiting, args.default_max_tokens, args.max_prefill_rows) < 1:
+        raise InvalidRequestError("--max-batch, --max-waiting, --max-prefill-rows and --default-max-tokens must be "
+                                  "positive")
     if args.ray:
         return _serve_on_ray(args)
     ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
@@ -434,7 +436,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise InvalidRequestError(f"{args.model} has no tokenizer: the server needs one")
     engine = ServingEngine(target, tokenizer, args.method, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                           budget=args.budget)
+                           budget=args.budget, max_prefill_rows=args.max_prefill_rows)
     name = args.served_model_name or args.model
     app = create_app(engine, name, args.default_max_tokens)
     print(f"draftwise: serving {name} with {args.method} on http://{args.host}:{args.port}/v1 "
@@ -474,6 +476,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,
+                    max_prefill_rows=args.max_prefill_rows,
                     default_max_tokens=args.default_max_tokens, session_affinity=not args.no_session_affinity,
                     **load_options)
     scale = f"{autoscale[0]} to {autoscale[1]} replicas" if autoscale else f"{replicas} replica(s)"
@@ -645,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoded at once (default 16)")
+    serve.add_argument("--max-prefill-rows", type=int, default=DEFAULT_MAX_PREFILL_ROWS,
+                       help="most prompt tokens prefilled in one step: longer prompts are prefilled in pieces "
+                            f"between decoding steps (default {DEFAULT_MAX_PREFILL_ROWS})")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="most requests waiting for a slot; more are answered 503 (default 256)")
     serve.add_argument("--budget", type=int, default=16, help="most draft nodes per sequence and step")

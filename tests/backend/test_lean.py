@@ -16,7 +16,7 @@ from draftwise.backend.calibration import invariance
 from draftwise.backend.calibration.costs import cost_curves
 from draftwise.backend.calibration.invariance import InvarianceReport, check_trees, plan_rows
 from draftwise.backend.calibration.machine import MeasurementStore, auto_dtype, resolve_dtype
-from draftwise.backend.forward.lean import BLOCK, PROMPT_RUN, LeanTarget, _bucket_members, unsupported_reason
+from draftwise.backend.forward.lean import BLOCK, PREFILL_PIECE, LeanTarget, _bucket_members, unsupported_reason
 from draftwise.backend.rows import RowBlock
 from draftwise.decoding.tree import DraftTree
 from draftwise.errors import UnsupportedModelError
@@ -63,11 +63,12 @@ def test_logits_match_transformers(kind, dtype, device, tmp_path):
 
 @pytest.mark.parametrize("kernel", [None, False], ids=["kernel", "library"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("length", [1, PROMPT_RUN - 1, PROMPT_RUN, PROMPT_RUN + 1, 3 * PROMPT_RUN + 5])
+@pytest.mark.parametrize("length", [1, BLOCK - 1, BLOCK + 1, PREFILL_PIECE + 5])
 def test_prefill_of_any_length_matches_transformers(length, dtype, kernel, tmp_path):
-    """The prompt's attention in runs of PROMPT_RUN rows (compiled kernels) or causal (library) gives transformers'
-    logits at the prompt's last position and at the row decoded after it, from a cache that had to grow."""
-    model = model_in("llama", dtype)
+    """The prompt as chains of verification rows of at most PREFILL_PIECE rows (compiled kernels) or causal
+    attention (library) gives transformers' logits at the prompt's last position and at the row decoded after it,
+    from a cache that had to grow."""
+    model = model_in("llama", dtype, max_position_embeddings=2 * PREFILL_PIECE)
     target = planned(model, tmp_path, kernel=kernel)
     rng = random.Random(length)
     tokens = [rng.randrange(model.config.vocab_size) for _ in range(length + 1)]
@@ -441,3 +442,46 @@ def test_a_batch_of_lone_rows_chains_and_a_tree_is_each_sequence_alone(dtype, tm
         assert torch.equal(a, b), index
     for index, (cache_a, cache_b) in enumerate(zip(together_caches, alone_caches)):
         assert all(torch.equal(x, y) for x, y in zip(committed(cache_a), committed(cache_b))), index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_prefilled_in_pieces_beside_other_rows_is_the_prompt_prefilled_alone(dtype, tmp_path):
+    """Chunked prefill: a prompt run in pieces of any size, each piece a chain in a forward with other sequences'
+    lone rows, chains and trees, ends with the logits and the committed cache (torch.equal) of the same prompt
+    prefilled whole; where the target cannot promise that (the library path), it says so."""
+    target = planned(model_in("qwen2", dtype), tmp_path)
+    assert target.chunked_prefill
+    assert not planned(model_in("qwen2", dtype), tmp_path, kernel=False).chunked_prefill
+    rng = random.Random(31)
+    vocab = target.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(2 * BLOCK + 9)]
+    others = [[rng.randrange(vocab) for _ in range(length)] for length in (12, BLOCK + 3)]
+
+    def committed(cache) -> list[torch.Tensor]:
+        layers, blocks_, heads, block, dim = cache.keys.shape
+        return [buffer.transpose(2, 3).reshape(layers, blocks_ * block, heads, dim)[:, : cache.length]
+                for buffer in (cache.keys, cache.values)]
+
+    with torch.inference_mode():
+        whole = target.new_cache(len(prompt))
+        expected = target.prefill([whole], [prompt]).logits[0][-1]
+        for pieces in ([1, 6, 50, BLOCK, len(prompt) - 121], [len(prompt)], [BLOCK - 1] * 2 + [11]):
+            other_caches = []
+            for other in others:
+                other_caches.append(target.new_cache(len(other) + 64))
+                target.prefill([other_caches[-1]], [other])
+            cache, first = target.new_cache(8), 0
+            for step, size in enumerate(pieces):
+                beside = [RowBlock.chain([rng.randrange(vocab)]),
+                          RowBlock(tuple(rng.randrange(vocab) for _ in range(4)), (-1, 0, 0, 1)) if step % 2
+                          else RowBlock.chain([rng.randrange(vocab) for _ in range(3)])]
+                output = target.forward(other_caches + [cache], beside + [RowBlock.chain(prompt[first : first + size])],
+                                        last_only=[False, False, True])
+                assert output.logits[2].shape[0] == 1 and output.logits[1].shape[0] == len(beside[1])
+                for other_cache, block in zip(other_caches, beside):
+                    target.commit(other_cache, [0])
+                target.commit(cache, range(size))
+                first += size
+            assert torch.equal(output.logits[2][-1], expected), pieces
+            for got, want in zip(committed(cache), committed(whole)):
+                assert torch.equal(got, want), pieces

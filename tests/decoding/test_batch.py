@@ -13,6 +13,7 @@ from draftwise.backend.target import Target, as_target
 from draftwise.decoding.batch import Scheduler
 from draftwise.decoding.drafter import NoDrafter
 from draftwise.decoding.engine import Decoder, FinishReason
+from draftwise.decoding.sampling import SamplingParams
 from draftwise.errors import InvalidRequestError
 
 METHODS = sorted(draftwise.METHODS)
@@ -80,6 +81,48 @@ def test_sequences_join_between_steps(target):
         assert len(scheduler.running) <= 3
         steps += 1
     assert [state.output for state in states] == expected
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "recycling"])
+def test_long_prompts_are_prefilled_in_pieces_between_decoding_steps(target, method):
+    """Chunked prefill: with a few prompt rows a step, long prompts are prefilled over several steps while the
+    running sequences go on decoding, and several short ones share a step; every sequence gets its batch-1 tokens
+    (greedy and seeded sampling). A target that cannot prefill in pieces prefills each admitted prompt whole."""
+    rng = random.Random(METHODS.index(method))
+    batch = [repetitive_prompt(rng, low=low, high=low + 3) for low in (3, 4, 60, 75, 5, 40)]
+    for options in ({}, {"temperature": 0.8, "top_k": 30}):
+        alone = [
+            draftwise.generate(target, None, prompt_ids=prompt, method=method, max_new_tokens=12 + index, seed=index,
+                               **options).token_ids
+            for index, prompt in enumerate(batch)
+        ]
+        decoder = Decoder(target)
+        scheduler = Scheduler(decoder, max_batch=4, max_prefill_rows=16)
+        states = [
+            decoder.start(prompt, draftwise.make_drafter(method), max_new_tokens=12 + index,
+                          sampling=SamplingParams(seed=index, **options))
+            for index, prompt in enumerate(batch)
+        ]
+        scheduler.submit(states[:3])
+        mixed_steps = shared_steps = 0
+        first_tokens = []
+        while not scheduler.idle:
+            if states[3].submitted is None and scheduler.running:
+                scheduler.submit(states[3:])  # join mid-flight
+            prefilled_before = [state for state in states if state.output]
+            events = scheduler.step()
+            started = [state for state in states if state.output and state not in prefilled_before]
+            first_tokens += started
+            mixed_steps += bool(scheduler.prefilling and scheduler.running)
+            shared_steps += len(started) > 1
+            assert all(state.prefilled == len(state.prompt_ids) for state, _ in events)
+            assert len(scheduler.running) + len(scheduler.prefilling) <= 4
+        assert [state.output for state in states] == alone, options
+        assert first_tokens == sorted(first_tokens, key=states.index)  # first tokens in order of arrival
+        if as_target(target).chunked_prefill:
+            assert mixed_steps and shared_steps
+        else:
+            assert not mixed_steps
 
 
 def test_cancelled_sequence_frees_its_slot(target):

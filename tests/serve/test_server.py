@@ -289,9 +289,9 @@ def test_a_disconnected_stream_frees_its_slot(target):
     engine = ServingEngine(target, ChatCharTokenizer(), "pld")
     step = engine.decoder.step
 
-    def slow_step(sequences):
+    def slow_step(sequences, prompt_chunks=()):
         time.sleep(0.02)
-        return step(sequences)
+        return step(sequences, prompt_chunks)
 
     engine.decoder.step = slow_step
     running = RunningServer(engine)

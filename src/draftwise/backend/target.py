@@ -25,12 +25,22 @@ def context_length(model: torch.nn.Module) -> int:
     return int(getattr(config, "max_position_embeddings", None) or 2048)
 
 
+def last_rows_only(last_only: bool | Sequence[bool], blocks: int) -> list[bool]:
+    """A forward's ``last_only`` argument as one flag per block."""
+    if isinstance(last_only, bool):
+        return [last_only] * blocks
+    flags = [bool(flag) for flag in last_only]
+    if len(flags) != blocks:
+        raise ValueError(f"last_only has {len(flags)} flags for {blocks} blocks")
+    return flags
+
+
 @dataclass
 class ForwardOutput:
     """What one forward computed, per block in the order given.
 
     Attributes:
-        logits: ``(rows, vocab)`` per block (only the last row with ``last_only``).
+        logits: ``(rows, vocab)`` per block (only the last row where ``last_only`` says so).
         hidden_states: the input of the output head at the same rows, when asked for.
     """
 
@@ -62,6 +72,10 @@ class Target(ABC):
     #: Whether several sequences' chains of rows are verified on a leaner path than their trees (so that a batch's
     #: drafts are cut to their best path).
     batch_chains: bool = False
+    #: Whether a prompt may be prefilled in pieces, each piece a chain of rows in a :meth:`forward` beside other
+    #: sequences' rows, with the same bits as :meth:`prefill` gives it whole (the prompt's rows are verification
+    #: rows here): a scheduler then interleaves long prompts with decoding steps.
+    chunked_prefill: bool = False
 
     @property
     def config(self) -> Any:
@@ -104,11 +118,12 @@ class Target(ABC):
         caches: Sequence[Any],
         blocks: Sequence[RowBlock],
         *,
-        last_only: bool = False,
+        last_only: bool | Sequence[bool] = False,
         hidden_states: bool = False,
     ) -> ForwardOutput:
         """Run the rows of ``blocks[i]`` on top of ``caches[i]``; the new rows' keys and values are written after
-        each cache's committed length but not committed (see :meth:`commit`)."""
+        each cache's committed length but not committed (see :meth:`commit`). ``last_only`` (for every block, or
+        one flag per block): return only the block's last row."""
 
     @abstractmethod
     def commit(self, cache: Any, rows: Sequence[int]) -> None:
@@ -153,14 +168,14 @@ class TransformersTarget(Target):
         caches: Sequence[TreeKVCache],
         blocks: Sequence[RowBlock],
         *,
-        last_only: bool = False,
+        last_only: bool | Sequence[bool] = False,
         hidden_states: bool = False,
     ) -> ForwardOutput:
         # One forward per sequence: padding sequences into one batch would change every row's arithmetic.
         logits: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
-        for cache, block in zip(caches, blocks):
-            row_logits, row_hidden = self._forward_one(cache, block, last_only, hidden_states)
+        for cache, block, last in zip(caches, blocks, last_rows_only(last_only, len(blocks))):
+            row_logits, row_hidden = self._forward_one(cache, block, last, hidden_states)
             logits.append(row_logits)
             if row_hidden is not None:
                 hidden.append(row_hidden)

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from ..backend.rows import RowBlock
 from ..backend.target import Target, as_target
 from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
-from .policy import DraftingPolicy, size_trees
+from .policy import Choice, DraftingPolicy, size_trees
 from .sampling import Draws, SamplingParams, penalized_logits, target_probabilities
 from .stats import GenerationStats
 from .tree import DraftTree
@@ -74,6 +75,8 @@ class SequenceState:
         cache: the target's KV cache for this sequence.
         submitted: when it was queued for a batch (``time.perf_counter``; ``None`` when run directly).
         started: when its prefill began (``time.perf_counter``).
+        prefilled: prompt tokens in its cache (the whole prompt once its first token is out; fewer while a
+            scheduler prefills it in pieces).
     """
 
     prompt_ids: tuple[int, ...]
@@ -90,10 +93,16 @@ class SequenceState:
     cache: Any = None
     submitted: float | None = None
     started: float = 0.0
+    prefilled: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet in its cache."""
+        return len(self.prompt_ids) - self.prefilled
 
 
 def accept(sequence: SequenceState, tokens: Sequence[int]) -> StepEvent:
@@ -235,39 +244,105 @@ class Decoder:
             draws=sampling.draws(),
         )
 
+    def open(self, sequence: SequenceState) -> None:
+        """Give a started sequence its KV cache: its prefill begins now (whole, :meth:`prefill`, or in pieces,
+        :meth:`step`'s ``prompt_chunks``)."""
+        sequence.started = time.perf_counter()
+        if sequence.submitted is not None:
+            sequence.stats.queue_time_s = sequence.started - sequence.submitted
+        capacity = len(sequence.context) + sequence.max_new_tokens + self.budget + 1
+        sequence.cache = self.target.new_cache(capacity)
+        sequence.prefilled = 0
+
     @torch.inference_mode()
     def prefill(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
         """Run each sequence's prompt and emit its first token (the first step of every sequence)."""
-        started = time.perf_counter()
         for sequence in sequences:
-            sequence.started = started
-            if sequence.submitted is not None:
-                sequence.stats.queue_time_s = started - sequence.submitted
-            capacity = len(sequence.context) + sequence.max_new_tokens + self.budget + 1
-            sequence.cache = self.target.new_cache(capacity)
+            self.open(sequence)
         output = self.target.prefill([sequence.cache for sequence in sequences], [sequence.context for sequence in sequences])
-        events = []
-        for sequence, logits in zip(sequences, output.logits):
-            first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws)
-            event = accept(sequence, first.tokens)
-            now = time.perf_counter()
-            sequence.stats.time_to_first_token_s = now - sequence.started
-            sequence.stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
-            sequence.drafter.attach(SequenceSetup(self.target, sequence.cache, sequence.sampling, self.latency))
-            sequence.drafter.reset(sequence.prompt_ids)
-            sequence.stats.time_s = time.perf_counter() - sequence.started
-            events.append(event)
-        return events
+        return [self._first_token(sequence, logits) for sequence, logits in zip(sequences, output.logits)]
+
+    def _first_token(self, sequence: SequenceState, logits: torch.Tensor) -> StepEvent:
+        """Its prompt is in the cache: emit the first token from the prompt's last row and set its drafter up."""
+        sequence.prefilled = len(sequence.prompt_ids)
+        first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws)
+        event = accept(sequence, first.tokens)
+        sequence.stats.time_to_first_token_s = time.perf_counter() - sequence.started
+        sequence.stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
+        sequence.drafter.attach(SequenceSetup(self.target, sequence.cache, sequence.sampling, self.latency))
+        sequence.drafter.reset(sequence.prompt_ids)
+        sequence.stats.time_s = time.perf_counter() - sequence.started
+        return event
 
     @torch.inference_mode()
-    def step(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
+    def step(
+        self, sequences: Sequence[SequenceState], prompt_chunks: Sequence[tuple[SequenceState, int]] = ()
+    ) -> list[StepEvent]:
         """One draft -> verify -> accept -> update step of every unfinished sequence (finished ones emit nothing).
 
         The policy says whether to ask the drafters, then chooses which of their drafts to verify; the target
         verifies them in one forward, each sequence accepts its tokens and updates, and the policy hears how the
-        step went."""
+        step went.
+
+        ``prompt_chunks`` (on a target with ``chunked_prefill``): ``(sequence, rows)`` pairs of :meth:`open`
+        sequences whose next ``rows`` prompt tokens run as chains in the same forward; a sequence whose prompt is
+        then whole emits its first token. Returns the events of ``sequences``, then those of ``prompt_chunks``.
+        """
+        if prompt_chunks and not self.target.chunked_prefill:
+            raise ValueError("this target prefills whole prompts only (see Target.chunked_prefill)")
         active = [sequence for sequence in sequences if not sequence.finished]
         step_started = time.perf_counter()
+        trees, contexts, choice = self._drafts(active) if active else ([], [], None)
+        want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
+        chunks = [RowBlock.chain(list(sequence.prompt_ids[sequence.prefilled : sequence.prefilled + rows]))
+                  for sequence, rows in prompt_chunks]
+        forward_started = time.perf_counter()
+        output = self.target.forward(
+            [sequence.cache for sequence in active] + [sequence.cache for sequence, _ in prompt_chunks],
+            [tree.rows(context[-1]) for tree, context in zip(trees, contexts)] + chunks,
+            last_only=[False] * len(active) + [True] * len(chunks),
+            hidden_states=want_hidden,
+        )
+        forward_seconds = time.perf_counter() - forward_started
+        events_by_sequence: dict[int, StepEvent] = {}
+        if active:
+            verifications = [
+                verify(logits, tree, context, sequence.sampling, sequence.draws)
+                for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
+            ]
+            if not prompt_chunks:  # (a forward with prompt rows says nothing of what drafts cost)
+                self.latency.record(sum(len(tree) + 1 for tree in trees), forward_seconds, len(trees),
+                                    tree=any(not tree.is_chain for tree in trees))
+            for index, (sequence, tree, context, (verification, logits)) in enumerate(
+                zip(active, trees, contexts, verifications)
+            ):
+                self.target.commit(sequence.cache, verification.kept_rows)
+                event = accept(sequence, verification.tokens)
+                hidden = output.hidden_states[index] if output.hidden_states is not None else None
+                update(sequence, tree, verification, logits, context, event, hidden)
+                sequence.stats.time_s = time.perf_counter() - sequence.started
+                events_by_sequence[id(sequence)] = event
+            if not prompt_chunks:
+                assert choice is not None
+                self.policy.after_step(
+                    len(active),
+                    choice.drafted,
+                    sum(len(verification.tokens) for verification, _ in verifications),
+                    time.perf_counter() - step_started,
+                    exploring=choice.exploring,
+                    sampling=any(not sequence.sampling.greedy for sequence in active),
+                )
+        chunk_events = []
+        for (sequence, rows), logits in zip(prompt_chunks, output.logits[len(active):]):
+            self.target.commit(sequence.cache, range(rows))
+            sequence.prefilled += rows
+            chunk_events.append(self._first_token(sequence, logits) if not sequence.prompt_left else StepEvent([]))
+        return [
+            events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences
+        ] + chunk_events
+
+    def _drafts(self, active: Sequence[SequenceState]) -> tuple[list[DraftTree], list[tuple[int, ...]], Choice]:
+        """Each sequence's draft tree as the policy chooses it, the context it was drafted for, and the choice."""
         limit = self.target.context_length
         trees: list[DraftTree] = []
         contexts: list[tuple[int, ...]] = []
@@ -286,47 +361,14 @@ class Decoder:
             elapsed = time.perf_counter() - started
             sequence.stats.draft_time_s += elapsed
             draft_seconds += elapsed
-        sampling = any(not sequence.sampling.greedy for sequence in active)
         choice = self.policy.choose(
             trees,
             [sequence.stats for sequence in active],
             draft_seconds=draft_seconds,
             batch_chains=self.target.batch_chains,
-            sampling=sampling,
+            sampling=any(not sequence.sampling.greedy for sequence in active),
         )
-        trees = choice.trees
-        want_hidden = any(sequence.drafter.wants_hidden_states for sequence in active)
-        forward_started = time.perf_counter()
-        output = self.target.forward(
-            [sequence.cache for sequence in active],
-            [tree.rows(context[-1]) for tree, context in zip(trees, contexts)],
-            hidden_states=want_hidden,
-        )
-        verifications = [
-            verify(logits, tree, context, sequence.sampling, sequence.draws)
-            for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
-        ]
-        self.latency.record(sum(len(tree) + 1 for tree in trees), time.perf_counter() - forward_started, len(trees),
-                            tree=any(not tree.is_chain for tree in trees))
-        events_by_sequence: dict[int, StepEvent] = {}
-        for index, (sequence, tree, context, (verification, logits)) in enumerate(
-            zip(active, trees, contexts, verifications)
-        ):
-            self.target.commit(sequence.cache, verification.kept_rows)
-            event = accept(sequence, verification.tokens)
-            hidden = output.hidden_states[index] if output.hidden_states is not None else None
-            update(sequence, tree, verification, logits, context, event, hidden)
-            sequence.stats.time_s = time.perf_counter() - sequence.started
-            events_by_sequence[id(sequence)] = event
-        self.policy.after_step(
-            len(active),
-            choice.drafted,
-            sum(len(verification.tokens) for verification, _ in verifications),
-            time.perf_counter() - step_started,
-            exploring=choice.exploring,
-            sampling=sampling,
-        )
-        return [events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences]
+        return choice.trees, contexts, choice
 
 
 def decode(

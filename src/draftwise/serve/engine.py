@@ -19,7 +19,7 @@ import torch
 
 from ..api import StopSequences, check_request, eos_token_ids
 from ..backend.target import Target, as_target
-from ..decoding.batch import DEFAULT_MAX_BATCH, Scheduler
+from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS, Scheduler
 from ..decoding.engine import DEFAULT_BUDGET, Decoder, SequenceState
 from ..decoding.sampling import SamplingParams
 from ..decoding.stats import GenerationStats
@@ -74,6 +74,8 @@ class ServingEngine:
         method: the decoding method every request runs (a spec such as ``"pld"`` or ``"aded:corpus=..."``); each
             request drafts with a fork of one drafter, so what a learning drafter learns serves every request.
         max_batch: most sequences in one forward.
+        max_prefill_rows: most prompt rows prefilled in one step (long prompts are prefilled in pieces between
+            decoding steps; see :mod:`draftwise.decoding.batch`).
         max_waiting: most requests waiting for a slot; more are refused with :class:`ServerBusyError`.
         budget: most draft nodes per sequence and step.
         metrics: where counters and histograms go (a fresh registry when ``None``).
@@ -89,13 +91,14 @@ class ServingEngine:
         max_waiting: int = DEFAULT_MAX_WAITING,
         budget: int = DEFAULT_BUDGET,
         metrics: ServerMetrics | None = None,
+        max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS,
     ) -> None:
         self.target: Target = as_target(model)
         self.tokenizer = tokenizer
         self.method = method if isinstance(method, str) else (method.name or type(method).__name__)
         self.drafter = method if isinstance(method, Drafter) else make_drafter(method)
         self.decoder = Decoder(self.target, budget=budget)
-        self.scheduler = Scheduler(self.decoder, max_batch)
+        self.scheduler = Scheduler(self.decoder, max_batch, max_prefill_rows)
         self.max_waiting = max_waiting
         self.eos = eos_token_ids(self.target.model, tokenizer)
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -181,7 +184,8 @@ class ServingEngine:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.running)
+        """Requests holding a slot: decoding, or having their prompt prefilled."""
+        return len(self.scheduler.running) + len(self.scheduler.prefilling)
 
     @property
     def waiting(self) -> int:
@@ -282,7 +286,7 @@ class ServingEngine:
         self._seen[id(state)] = now
 
     def _fail_all(self, message: str) -> None:
-        for state in list(self.scheduler.running) + list(self.scheduler.waiting):
+        for state in [*self.scheduler.running, *self.scheduler.prefilling, *self.scheduler.waiting]:
             ticket = self._tickets.get(id(state))
             self.scheduler.cancel(state)
             self._forget(state)

@@ -34,7 +34,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
-from ..decoding.batch import DEFAULT_MAX_BATCH
+from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
 from ..errors import InvalidRequestError, ModelLoadError
 from .app import DEFAULT_MAX_TOKENS, create_app
@@ -70,6 +70,7 @@ class ReplicaSpec:
     budget: int = DEFAULT_BUDGET
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     threads: int | None = None
+    max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS
     load_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -190,7 +191,8 @@ class DraftwiseReplica:
             raise InvalidRequestError(f"{spec.served_model_name} has no tokenizer: the server needs one")
         self.spec = spec
         self.engine = ServingEngine(target, tokenizer, spec.method, max_batch=spec.max_batch,
-                                    max_waiting=spec.max_waiting, budget=spec.budget, metrics=RayServerMetrics())
+                                    max_waiting=spec.max_waiting, budget=spec.budget, metrics=RayServerMetrics(),
+                                    max_prefill_rows=spec.max_prefill_rows)
         self.engine.start()
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -281,6 +283,7 @@ def build_app(
     max_waiting: int = DEFAULT_MAX_WAITING,
     budget: int = DEFAULT_BUDGET,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS,
     session_affinity: bool = True,
     health_check_period_s: float = 5.0,
     **load_options: Any,
@@ -297,8 +300,8 @@ def build_app(
             ongoing requests, and removes idle ones.
         cpus_per_replica, gpus_per_replica: Ray resources each replica reserves.
         threads: torch threads per replica (default: ``cpus_per_replica`` rounded, at least 1).
-        max_batch, max_waiting, budget, default_max_tokens: as for ``draftwise serve``; ``max_waiting`` also bounds
-            the requests queued in Serve's router per replica (more are answered 503).
+        max_batch, max_waiting, budget, default_max_tokens, max_prefill_rows: as for ``draftwise serve``;
+            ``max_waiting`` also bounds the requests queued in Serve's router per replica (more are answered 503).
         session_affinity: route by the ``x-session-id`` header (:class:`SessionAffinityRouter`); otherwise Ray's
             default power-of-two-choices routing.
         health_check_period_s: how often Serve calls each replica's health check.
@@ -308,8 +311,8 @@ def build_app(
         raise InvalidRequestError("replicas must be at least 1")
     if autoscale is not None and not (0 <= autoscale[0] <= autoscale[1] and autoscale[1] >= 1):
         raise InvalidRequestError("autoscale needs 0 <= min replicas <= max replicas and max replicas >= 1")
-    if max_batch < 1 or max_waiting < 1 or default_max_tokens < 1:
-        raise InvalidRequestError("max_batch, max_waiting and default_max_tokens must be positive")
+    if min(max_batch, max_waiting, default_max_tokens, max_prefill_rows) < 1:
+        raise InvalidRequestError("max_batch, max_waiting, max_prefill_rows and default_max_tokens must be positive")
     if budget < 0 or cpus_per_replica <= 0 or gpus_per_replica < 0 or (threads is not None and threads < 1):
         raise InvalidRequestError("budget and gpus_per_replica must be >= 0, cpus_per_replica and threads positive")
     if str(load_options.get("device", "cpu")).startswith("cuda") and gpus_per_replica == 0:
@@ -325,6 +328,7 @@ def build_app(
     check_method(method)
     spec = ReplicaSpec(model=model, served_model_name=served_model_name, method=method, max_batch=max_batch,
                        max_waiting=max_waiting, budget=budget, default_max_tokens=default_max_tokens,
+                       max_prefill_rows=max_prefill_rows,
                        threads=threads or max(1, round(cpus_per_replica)), load_options=dict(load_options))
     max_ongoing, target_ongoing = replica_limits(max_batch, max_waiting)
     options: dict[str, Any] = {

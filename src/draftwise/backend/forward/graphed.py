@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..rows import CACHE, RowBlock, is_chain
-from ..target import ForwardOutput
+from ..target import ForwardOutput, last_rows_only
 from .lean import BLOCK, LayerSkip, LeanTarget
 
 #: Rows of every step: a product of 64 rows costs about what one row does on a GPU.
@@ -154,15 +154,15 @@ class GraphedLeanTarget(LeanTarget):
         caches: Sequence[SpanCache],
         blocks: Sequence[RowBlock],
         *,
-        last_only: bool = False,
+        last_only: bool | Sequence[bool] = False,
         hidden_states: bool = False,
         skip: LayerSkip | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ForwardOutput:
         """See :meth:`LeanTarget.forward`. Each sequence runs on its own, in steps of :data:`STEP_ROWS` rows."""
         logits, states = [], []
-        for cache, block in zip(caches, blocks):
-            sequence_logits, sequence_states = self._sequence(cache, block, last_only, skip, head)
+        for cache, block, last in zip(caches, blocks, last_rows_only(last_only, len(blocks))):
+            sequence_logits, sequence_states = self._sequence(cache, block, last, skip, head)
             logits.append(sequence_logits)
             states.append(sequence_states)
         return ForwardOutput(logits, states if hidden_states else None)

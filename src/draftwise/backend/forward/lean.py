@@ -31,7 +31,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ..cache import LeanCache, check_full_attention
 from ..rows import RowBlock, is_chain
-from ..target import ForwardOutput, Target
+from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
 from .attention import (
@@ -56,9 +56,9 @@ FAMILIES = ("llama", "qwen2")
 #: Positions per attention block (see :mod:`draftwise.backend.forward.attention`); the compiled attention kernel is built for
 #: this size (``kCacheBlock`` in ``native/ragged_attention.cpp``, checked at every call).
 BLOCK = 64
-#: Prompt rows that share one read of the cached positions before them in a prefill's attention (see
-#: :meth:`LeanTarget._prompt_attention`): 16 to 64 measure alike, fewer read the cache more often.
-PROMPT_RUN = 32
+#: Most prompt rows in one forward of a prefill with the compiled kernels (within :data:`MAX_FORWARD_ROWS`, up to
+#: which products are checked to keep every row's bits).
+PREFILL_PIECE = 512
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ class LayerSkip:
 #: ``grouped``   library path: a chain, or several sequences   one set of products per group (lone rows, chains,
 #:                                                             trees by row count): :func:`rows_attention` and
 #:                                                             :func:`batch_block_attention`
-#: prefill       kernel: runs of :data:`PROMPT_RUN` prompt     library: causal attention over the prompt
-#:               rows as verification rows
+#: prefill       kernel: the prompt as chains of at most       library: causal attention over the prompt
+#:               :data:`PREFILL_PIECE` verification rows
 #: ============  ==========================================  =====================================================
 FORWARD_PATHS = ("kernel", "one-row", "tree", "grouped")
 
@@ -333,6 +333,12 @@ class LeanTarget(Target):
         # The kernel reads every row's keys in place, trees' included.
         return self.kernel is None
 
+    @property
+    def chunked_prefill(self) -> bool:  # type: ignore[override]
+        # With the kernels a prompt's rows are verification rows (see prefill); the library path's causal attention
+        # over a whole prompt rounds otherwise.
+        return self.kernel is not None
+
     # ----------------------------------------------------------------------------------------------- cache
 
     def new_cache(self, capacity: int) -> LeanCache:
@@ -559,43 +565,38 @@ class LeanTarget(Target):
         if any(cache.length for cache in caches):
             raise ValueError("prefill needs empty caches")
 
+        if self.kernel is not None:
+            # The prompt's rows are verification rows (a chain on the cache), in pieces of at most PREFILL_PIECE
+            # rows: every row is bitwise what one-row decoding of the prompt computes, so a scheduler may prefill
+            # the same prompt in smaller pieces beside other sequences' rows and get the same bits
+            # (``chunked_prefill``). Measured on two-core CPUs as fast as a causal attention over the prompt.
+            outputs = []
+            for cache, prompt in zip(caches, prompts):
+                for first in range(0, len(prompt), PREFILL_PIECE):
+                    piece = list(prompt[first : first + PREFILL_PIECE])
+                    output = self.forward([cache], [RowBlock.chain(piece)], last_only=True,
+                                          hidden_states=hidden_states, head=head)
+                    cache.length += len(piece)
+                outputs.append(output)
+            return ForwardOutput([output.logits[0] for output in outputs],
+                                 [output.hidden_states[0] for output in outputs] if hidden_states else None)
         # One prompt at a time: a prefill's rows are exactly those of the same prompt decoded alone (products of
         # thousands of rows are not assumed to keep every row's bits), whatever else is decoded beside it.
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            return causal_attention(queries, keys, values)
+
         states = []
         for cache, prompt in zip(caches, prompts):
-            attend = self._prompt_attention(cache, len(prompt))
             states.append(self._run([cache], [prompt], [range(len(prompt))], attend)[0][-1:])
             cache.length = len(prompt)
         return self._outputs(states, hidden_states, head)
-
-    def _prompt_attention(self, cache: LeanCache, length: int) -> Callable[..., torch.Tensor]:
-        """The attention of a prompt of ``length`` tokens over itself, given a layer's queries, keys and values
-        (which :meth:`_run` has already written into ``cache``).
-
-        With the compiled kernels, the prompt's rows are verification rows: each run of :data:`PROMPT_RUN` rows
-        reads the positions before it in place from the cache (once for the whole run) and its own earlier rows as
-        a chain, about twice as fast as the library's causal attention on a few hundred rows and never slower on
-        thousands (measured on two-core CPUs in bfloat16 and float32)."""
-        if self.kernel is None:
-            return lambda index, queries, keys, values: causal_attention(queries, keys, values)
-        firsts = range(0, length, PROMPT_RUN)
-        layout = ragged_layout(list(firsts), [[-1, *range(min(PROMPT_RUN, length - first) - 1)] for first in firsts])
-        runs, kernel = len(firsts), self.kernel
-
-        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-            # (The cache's buffers as they are now: making room for the prompt may have replaced them.)
-            return kernel.ragged_attention(queries, keys, values, [cache.keys] * runs, [cache.values] * runs, index,
-                                           layout.row_sequence, layout.row_committed, layout.path_offsets,
-                                           layout.path_rows)
-
-        return attend
 
     def forward(
         self,
         caches: Sequence[LeanCache],
         blocks: Sequence[RowBlock],
         *,
-        last_only: bool = False,
+        last_only: bool | Sequence[bool] = False,
         hidden_states: bool = False,
         skip: LayerSkip | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -606,9 +607,11 @@ class LeanTarget(Target):
         :class:`draftwise.drafters.draft_model.DraftHead`)."""
         groups = row_groups([len(block.tokens) for block in blocks], MAX_FORWARD_ROWS)
         if len(groups) > 1:
+            last = last_rows_only(last_only, len(blocks))
             outputs = [
                 self.forward([caches[index] for index in group], [blocks[index] for index in group],
-                             last_only=last_only, hidden_states=hidden_states, skip=skip, head=head)
+                             last_only=[last[index] for index in group], hidden_states=hidden_states, skip=skip,
+                             head=head)
                 for group in groups
             ]
             return ForwardOutput(
@@ -621,8 +624,8 @@ class LeanTarget(Target):
         attention = build(caches, blocks, defer=skip is None)
         states = self._run(caches, [block.tokens for block in blocks], [block.depths for block in blocks],
                            attention.attend, skip, attention.deferred, attention.layout)
-        if last_only:
-            states = [part[-1:] for part in states]
+        states = [part[-1:] if last else part
+                  for part, last in zip(states, last_rows_only(last_only, len(blocks)))]
         return self._outputs(states, hidden_states, head)
 
     # ------------------------------------------------------------------------------------- forward paths

@@ -89,10 +89,23 @@ class Linear:
                 inputs = torch.cat([inputs, inputs.new_zeros(padded - rows, self.in_features)])
             output = torch.cat([self._product(part) for part in inputs.split(chunk)])
             return output[:rows]
-        if rows < self.min_rows:
-            inputs = torch.cat([inputs, inputs.new_zeros(self.min_rows - rows, self.in_features)])
+        padded = self.padded_rows(rows)
+        if padded > rows:
+            inputs = torch.cat([inputs, inputs.new_zeros(padded - rows, self.in_features)])
         output = self._product(inputs)
-        return output[:rows] if rows < self.min_rows else output
+        return output[:rows] if padded > rows else output
+
+    def padded_rows(self, rows: int) -> int:
+        """The row count a product of ``rows`` rows runs at: at least :attr:`min_rows`; for oneDNN's packed
+        products beyond 16 rows, a multiple of 4 (up to 32 rows), 8 (up to 64) or 16 (beyond). oneDNN keeps a
+        compiled kernel for every shape it meets (~0.4 MB each): a server whose forwards took every row count up to
+        a few hundred grew by hundreds of MB. This bounds the shapes to about 50 a weight, for fewer than 4, 8 or 16
+        more rows (a row's bits do not depend on the padding, see :attr:`min_rows`)."""
+        rows = max(rows, self.min_rows)
+        if self.packed and rows > 16:
+            granule = 4 if rows <= 32 else 8 if rows <= 64 else 16
+            rows = -(-rows // granule) * granule
+        return rows
 
     def _product(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None:

@@ -4,10 +4,13 @@ The drafting policy on its own (cost rule, pauses, throughput judging, explorati
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from tiny import OracleChainDrafter
+from tiny import OracleChainDrafter, planned, repetitive_prompt
 
+import draftwise
 from draftwise.decoding.drafter import Drafter, NoDrafter
 from draftwise.decoding.engine import Decoder, FinishReason, SequenceState, accept, decode, draft
 from draftwise.decoding.latency import LatencyModel
@@ -197,3 +200,31 @@ def test_the_decoder_consults_its_policy(tiny_llama):
     assert isinstance(Decoder(tiny_llama).policy, DraftingPolicy)
     with pytest.raises(ValueError):  # a policy over another latency model than the decoder's
         Decoder(tiny_llama, latency=LatencyModel(), policy=DraftingPolicy(LatencyModel()))
+
+
+def test_logprobs_are_the_models_distribution_and_the_same_whatever_is_drafted(tiny_qwen2, tmp_path):
+    """Each emitted token's log-probability is the model's (transformers' forward over the whole text, within float
+    tolerance), with the most likely alternatives, and bitwise the same when drafts were verified (the lean forward's
+    verification rows are plain decoding's)."""
+    target = planned(tiny_qwen2, tmp_path)
+    prompt = repetitive_prompt(random.Random(5), low=30, high=40)
+
+    def run(drafter: Drafter) -> SequenceState:
+        decoder = Decoder(target)
+        state = decoder.start(prompt, drafter, max_new_tokens=24, logprobs=4)
+        decoder.prefill([state])
+        while not state.finished:
+            decoder.step([state])
+        return state
+
+    plain, drafted = run(NoDrafter()), run(draftwise.make_drafter("pld"))
+    assert drafted.stats.accepted_tokens > 0
+    assert drafted.token_logprobs == plain.token_logprobs
+    assert [entry.token for entry in plain.token_logprobs] == plain.output
+    with torch.inference_mode():
+        reference = torch.log_softmax(tiny_qwen2(torch.tensor([prompt + plain.output])).logits[0].float(), dim=-1)
+    for position, entry in enumerate(plain.token_logprobs):
+        row = reference[len(prompt) - 1 + position]
+        assert abs(entry.logprob - float(row[entry.token])) < 1e-4
+        assert [token for token, _ in entry.top] == row.topk(4).indices.tolist()
+        assert all(first >= second for (_, first), (_, second) in zip(entry.top, entry.top[1:]))

@@ -25,6 +25,9 @@ import draftwise
 from draftwise.backend.calibration.invariance import plan_rows
 from draftwise.backend.calibration.machine import MeasurementStore
 from draftwise.backend.forward.lean import LeanTarget
+from draftwise.decoding.drafter import NoDrafter
+from draftwise.decoding.engine import Decoder
+from draftwise.decoding.sampling import SamplingParams
 from draftwise.serve import ServerBusyError, ServingEngine, create_app
 from draftwise.serve.load import run_load
 
@@ -201,6 +204,64 @@ def test_vllm_request_extensions(server, target):
     assert status == 400 and "'echo'" in body["error"]["message"]
 
 
+def plain_logprobs(target, prompt_ids: list[int], max_new_tokens: int, top: int, **sampling) -> list:
+    """Each token's log-probability in plain one-row decoding (``ar``), straight from the decoder."""
+    decoder = Decoder(target)
+    state = decoder.start(prompt_ids, NoDrafter(), max_new_tokens=max_new_tokens, logprobs=top,
+                          sampling=SamplingParams(**sampling))
+    decoder.prefill([state])
+    while not state.finished:
+        decoder.step([state])
+    return state.token_logprobs
+
+
+def test_logprobs_are_plain_decodings(server, target):
+    """Log-probabilities through a speculative server (pld) are plain decoding's, bit for bit, on chat and
+    completions, streamed or not, greedy and sampled; the chosen token leads the alternatives under greedy."""
+    tokenizer = ChatCharTokenizer()
+    prompt = text_prompt(21, low=30, high=40)
+    plain = draftwise.generate(target, tokenizer, prompt, method="ar", max_new_tokens=20)
+    expected = plain_logprobs(target, plain.prompt_ids, 20, 3)
+    assert [entry.token for entry in expected] == plain.token_ids
+    assert all(entry.top[0][0] == entry.token and entry.top[0][1] == entry.logprob for entry in expected)
+    text = tokenizer.decode
+
+    answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=3)
+    logprobs = answer.choices[0].logprobs
+    assert answer.choices[0].text == plain.text
+    assert logprobs.tokens == [text([entry.token]) for entry in expected]
+    assert logprobs.token_logprobs == [entry.logprob for entry in expected]
+    assert logprobs.top_logprobs == [{text([token]): value for token, value in entry.top} for entry in expected]
+    assert logprobs.text_offset == list(range(20))  # (one character a token here)
+
+    streamed = [chunk.choices[0].logprobs for chunk in server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=3, stream=True) if chunk.choices]
+    assert [value for chunk in streamed for value in chunk.token_logprobs] == logprobs.token_logprobs
+
+    chat = [{"role": "user", "content": prompt}]
+    plain_chat = draftwise.generate(target, tokenizer, chat, method="ar", max_new_tokens=16)
+    expected_chat = plain_logprobs(target, plain_chat.prompt_ids, 16, 2)
+    answer = server.client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0,
+                                                   logprobs=True, top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    assert [entry.logprob for entry in content] == [entry.logprob for entry in expected_chat]
+    assert [[alternative.logprob for alternative in entry.top_logprobs] for entry in content] == [
+        [value for _, value in entry.top] for entry in expected_chat]
+    assert content[0].token == text([expected_chat[0].token]) and content[0].bytes == list(content[0].token.encode())
+    streamed = server.client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0,
+                                                     logprobs=True, stream=True)
+    entries = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]
+    assert [entry.logprob for entry in entries] == [entry.logprob for entry in expected_chat]
+    assert all(entry.top_logprobs == [] for entry in entries)
+    assert server.client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4).choices[0].logprobs is None
+
+    sampled = plain_logprobs(target, plain.prompt_ids, 20, 0, temperature=0.9, top_k=20, seed=5)
+    answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, seed=5,
+                                              logprobs=0, extra_body={"top_k": 20})
+    assert answer.choices[0].logprobs.token_logprobs == [entry.logprob for entry in sampled]
+
+
 def test_stop_sequences_and_seeded_sampling(server, target):
     prompt = text_prompt(9)
     plain = draftwise.generate(target, ChatCharTokenizer(), prompt, method="ar", max_new_tokens=30)
@@ -229,7 +290,8 @@ def test_stop_sequences_and_seeded_sampling(server, target):
     ({"model": MODEL, "prompt": "Ā" * 300}, 400, "context window"),
     ({"model": MODEL, "prompt": "Āā", "max_tokens": 1000}, 400, "context window"),
     ({"model": MODEL, "prompt": "Āā", "n": 2}, 400, "'n'"),
-    ({"model": MODEL, "prompt": "Āā", "logprobs": 3}, 400, "'logprobs'"),
+    ({"model": MODEL, "prompt": "Āā", "logprobs": 3, "echo": True}, 400, "'logprobs' with 'echo'"),
+    ({"model": MODEL, "prompt": "Āā", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "Āā", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "Āā", "mirostat": 1}, 400, "'mirostat' is not a supported option"),
     ({"model": MODEL, "prompt": "Āā", "temperature": -1}, 400, "temperature"),
@@ -254,6 +316,9 @@ def test_bad_completion_requests(server, body, status, message):
     ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "max_completion_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "stream_options": {"include_usage": True}},
      "stream_options"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "top_logprobs": 2}, "needs logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Āā"}], "logprobs": True, "top_logprobs": 30},
+     "top_logprobs"),
 ])
 def test_bad_chat_requests(server, body, message):
     code, answer = server.post("/v1/chat/completions", body)

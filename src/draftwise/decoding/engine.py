@@ -30,6 +30,7 @@ from ..backend.rows import RowBlock
 from ..backend.target import Target, as_target
 from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
+from .logprobs import TokenLogprob, token_logprobs
 from .policy import Choice, DraftingPolicy, size_trees
 from .sampling import Draws, SamplingParams, penalized_logits, target_probabilities
 from .stats import GenerationStats
@@ -77,6 +78,9 @@ class SequenceState:
         started: when its prefill began (``time.perf_counter``).
         prefilled: prompt tokens in its cache (the whole prompt once its first token is out; fewer while a
             scheduler prefills it in pieces).
+        logprobs: alternatives per token to keep with each emitted token's log-probability (``None``: none kept).
+        token_logprobs: each emitted token's log-probability (with ``logprobs`` set; see
+            :mod:`draftwise.decoding.logprobs`).
     """
 
     prompt_ids: tuple[int, ...]
@@ -94,6 +98,8 @@ class SequenceState:
     submitted: float | None = None
     started: float = 0.0
     prefilled: int = 0
+    logprobs: int | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -229,8 +235,10 @@ class Decoder:
         is_stopped: Callable[[Sequence[int]], bool] | None = None,
         sampling: SamplingParams | None = None,
         stats: GenerationStats | None = None,
+        logprobs: int | None = None,
     ) -> SequenceState:
-        """A new sequence, ready for :meth:`prefill` (the caller has validated the request)."""
+        """A new sequence, ready for :meth:`prefill` (the caller has validated the request); ``logprobs``: keep
+        every emitted token's log-probability with that many alternatives."""
         sampling = sampling if sampling is not None else SamplingParams()
         return SequenceState(
             prompt_ids=tuple(int(token) for token in prompt_ids),
@@ -242,6 +250,7 @@ class Decoder:
             stats=stats if stats is not None else GenerationStats(),
             context=[int(token) for token in prompt_ids],
             draws=sampling.draws(),
+            logprobs=logprobs,
         )
 
     def open(self, sequence: SequenceState) -> None:
@@ -267,6 +276,8 @@ class Decoder:
         sequence.prefilled = len(sequence.prompt_ids)
         first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws)
         event = accept(sequence, first.tokens)
+        if sequence.logprobs is not None:
+            sequence.token_logprobs += token_logprobs(logits[-1:], event.tokens, sequence.logprobs)
         sequence.stats.time_to_first_token_s = time.perf_counter() - sequence.started
         sequence.stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
         sequence.drafter.attach(SequenceSetup(self.target, sequence.cache, sequence.sampling, self.latency))
@@ -318,6 +329,9 @@ class Decoder:
             ):
                 self.target.commit(sequence.cache, verification.kept_rows)
                 event = accept(sequence, verification.tokens)
+                if sequence.logprobs is not None:  # (token i was decided by kept row i, from the raw logits)
+                    rows = output.logits[index][verification.kept_rows[: len(event.tokens)]]
+                    sequence.token_logprobs += token_logprobs(rows, event.tokens, sequence.logprobs)
                 hidden = output.hidden_states[index] if output.hidden_states is not None else None
                 update(sequence, tree, verification, logits, context, event, hidden)
                 sequence.stats.time_s = time.perf_counter() - sequence.started

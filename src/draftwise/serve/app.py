@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..api import SettledText, StopSequences, encode_prompt
+from ..decoding.logprobs import TokenLogprob
 from ..decoding.stats import GenerationStats
 from ..errors import InvalidRequestError
 from .engine import ServerBusyError, ServingEngine, TokenEvent
@@ -84,6 +85,7 @@ class _Job:
     keep_stop: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     echo: str = ""  # the prompt's text, sent before the answer (completions with echo)
+    logprobs: int | None = None  # alternatives per token, when log-probabilities are asked for
 
     def settled_text(self, tokenizer: Any) -> SettledText:
         return SettledText(tokenizer, self.stops, self.keep_stop, self.skip_special_tokens)
@@ -123,8 +125,10 @@ class Server:
 
         stops = request.stops()
         stop_ids = self._token_ids(request.stop_token_ids or [], "stop_token_ids")
+        logprobs = request.logprobs_asked()
         try:
-            ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids)
+            ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids,
+                                        logprobs)
         except ServerBusyError as error:
             self.engine.metrics.request_refused()
             raise APIError(503, str(error), kind="server_overloaded", code="queue_full",
@@ -132,7 +136,7 @@ class Server:
         prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
         return _Job(kind, prompt_ids, events, ticket, StopSequences(self.engine.tokenizer, stops) if stops else None,
                     f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request.include_stop_str_in_output,
-                    request.skip_special_tokens)
+                    request.skip_special_tokens, logprobs=logprobs)
 
     def _prompt_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -170,13 +174,41 @@ class Server:
         prompt = len(job.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
-    def _chunk_choice(self, job: _Job, piece: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        """A stream chunk's choice: one token's settled text."""
+    def _chunk_choice(self, job: _Job, piece: str, finish_reason: str | None, first: bool,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A stream chunk's choice: one token's settled text (and its log-probability when asked for)."""
         reason = None if finish_reason is None else FINISH_REASONS.get(finish_reason, finish_reason)
         if job.kind == "text_completion":
-            return {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": reason}
         delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else {"content": piece}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, job: _Job, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+        """``entries`` in OpenAI's shape: chat's ``{"content": [...]}``, or completions' ``tokens``,
+        ``token_logprobs``, ``top_logprobs`` and ``text_offset`` (the first token at ``text_offset``)."""
+        if job.logprobs is None:
+            return None
+        decode = self.engine.tokenizer.decode
+
+        def text(token: int) -> str:
+            return decode([token])
+
+        if job.kind != "text_completion":
+            return {"content": [
+                {"token": text(entry.token), "logprob": _finite(entry.logprob),
+                 "bytes": list(text(entry.token).encode()),
+                 "top_logprobs": [{"token": text(token), "logprob": _finite(value), "bytes": list(text(token).encode())}
+                                  for token, value in entry.top]}
+                for entry in entries]}
+        tokens = [text(entry.token) for entry in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [_finite(entry.logprob) for entry in entries],
+                "top_logprobs": [{text(entry.token): _finite(entry.logprob),
+                                  **{text(token): _finite(value) for token, value in entry.top}} for entry in entries],
+                "text_offset": offsets}
 
     async def _next_event(self, job: _Job, http: Request | None) -> TokenEvent:
         """The job's next event; a client gone away cancels the job."""
@@ -190,20 +222,24 @@ class Server:
 
     async def _complete(self, job: _Job, http: Request) -> dict[str, Any]:
         tokens: list[int] = []
+        entries: list[TokenLogprob] = []
         while True:
             event = await self._next_event(job, http)
             tokens.extend(event.tokens)
+            entries.extend(event.logprobs or ())
             if event.finish_reason is not None:
                 break
         if event.finish_reason == "error":
             raise APIError(500, event.error or "the engine failed", kind="server_error")
         text = job.settled_text(self.engine.tokenizer).advance(tokens, finished=True)
         reason = FINISH_REASONS.get(event.finish_reason, event.finish_reason)
+        logprobs = self._logprobs(job, entries, len(job.echo))
         if job.kind == "text_completion":
-            choice: dict[str, Any] = {"index": 0, "text": job.echo + text, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": 0, "text": job.echo + text, "logprobs": logprobs,
+                                      "finish_reason": reason}
             obj = "text_completion"
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": reason}
             obj = "chat.completion"
         return {
@@ -230,6 +266,7 @@ class Server:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         finished = False
+        text_offset = len(job.echo)  # (completions' log-probabilities give each token's place in the text)
         try:
             first = True
             if job.echo:  # the prompt first, as vLLM streams an echo
@@ -253,7 +290,11 @@ class Server:
                     if last:
                         extra["draftwise"] = speculation_stats(event.stats or GenerationStats(), self.engine.method)
                     reason = event.finish_reason if last else None
-                    yield chunk([self._chunk_choice(job, piece, reason, first)], **extra)
+                    logprobs = None
+                    if event.logprobs is not None:
+                        logprobs = self._logprobs(job, event.logprobs[position : position + 1], text_offset)
+                        text_offset += sum(len(token) for token in (logprobs or {}).get("tokens", ()))
+                    yield chunk([self._chunk_choice(job, piece, reason, first, logprobs)], **extra)
                     first = False
                 if event.finish_reason is not None:
                     finished = True
@@ -356,6 +397,11 @@ class ReplicaHeader:
             await send(message)
 
         await self.app(scope, receive, send_named)
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry (vLLM's floor for an impossible token)."""
+    return max(logprob, -9999.0)
 
 
 def _validation_message(error: RequestValidationError) -> str:

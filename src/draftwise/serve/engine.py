@@ -21,6 +21,7 @@ from ..api import StopSequences, check_request, eos_token_ids
 from ..backend.target import Target, as_target
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS, Scheduler
 from ..decoding.engine import DEFAULT_BUDGET, Decoder, SequenceState
+from ..decoding.logprobs import TokenLogprob
 from ..decoding.sampling import SamplingParams
 from ..decoding.stats import GenerationStats
 from ..drafters import Drafter, make_drafter
@@ -41,13 +42,15 @@ class ServerBusyError(DraftwiseError):
 class TokenEvent:
     """Tokens one step emitted for a request; at its end, why it finished and its statistics.
 
-    ``finish_reason`` is ``"error"`` (with ``error`` set) when the engine failed.
+    ``finish_reason`` is ``"error"`` (with ``error`` set) when the engine failed; ``logprobs``: the tokens'
+    log-probabilities, for a request that asked for them.
     """
 
     tokens: list[int]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -60,6 +63,7 @@ class Ticket:
     stops: StopSequences | None
     on_event: Callable[[TokenEvent], None]
     eos: tuple[int, ...] = ()
+    logprobs: int | None = None
     submitted: float = field(default_factory=time.perf_counter)
     state: SequenceState | None = None
     cancelled: bool = False
@@ -130,10 +134,12 @@ class ServingEngine:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> Ticket:
         """Queue a request; ``on_event`` is called on the worker thread with each step's tokens for it
         (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``; ``stop_token_ids``: more
-        tokens that end it, kept in the output, as vLLM does, even with ``ignore_eos``).
+        tokens that end it, kept in the output, as vLLM does, even with ``ignore_eos``; ``logprobs``: every token's
+        log-probability comes with it, with that many alternatives).
 
         Raises:
             InvalidRequestError: a request the engine cannot serve.
@@ -147,6 +153,7 @@ class ServingEngine:
             stops=StopSequences(self.tokenizer, list(stop)) if stop else None,
             on_event=on_event,
             eos=(() if ignore_eos else tuple(self.eos)) + tuple(int(token) for token in stop_token_ids),
+            logprobs=logprobs,
         )
         with self._lock:
             if self._pending + len(self.scheduler.waiting) >= self.max_waiting:
@@ -232,6 +239,7 @@ class ServingEngine:
             eos_token_ids=ticket.eos,
             is_stopped=ticket.stops,
             sampling=ticket.sampling,
+            logprobs=ticket.logprobs,
         )
         ticket.state = state
         self._tickets[id(state)] = ticket
@@ -262,7 +270,11 @@ class ServingEngine:
             self._forget(state)
             self.metrics.request_finished(state, time.perf_counter() - ticket.submitted)
         try:
-            ticket.on_event(TokenEvent(list(tokens), finish_reason, state.stats if finish_reason else None))
+            logprobs = None
+            if ticket.logprobs is not None:
+                logprobs = state.token_logprobs[len(state.token_logprobs) - len(tokens):]
+            ticket.on_event(TokenEvent(list(tokens), finish_reason, state.stats if finish_reason else None,
+                                       logprobs=logprobs))
         except Exception:  # noqa: BLE001 - a broken listener must not stop the other requests
             logger.exception("a request's listener failed; cancelling it")
             if finish_reason is None:

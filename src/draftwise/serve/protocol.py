@@ -1,12 +1,14 @@
 """The OpenAI request bodies the server accepts, and what each option becomes.
 
 Every option is either honoured exactly or refused with a 400 that names it: an option the engine cannot honour
-(``n > 1``, ``logprobs``, presence and frequency penalties, ``logit_bias``, tools ...) is accepted only at the value
-that means "off", and an unknown field is refused, never silently dropped. Beyond OpenAI's names, vLLM's request
+(``n > 1``, presence and frequency penalties, ``logit_bias``, tools ...) is accepted only at the value that means
+"off", and an unknown field is refused, never silently dropped. Beyond OpenAI's names, vLLM's request
 extensions with a meaning here are honoured as vLLM honours them: ``top_k``, ``min_p``, ``repetition_penalty``
 (transformers' meanings), ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats`` and ``echo`` on completions; ``model`` may be
-omitted (the served model).
+omitted (the served model). Log-probabilities (``logprobs``/``top_logprobs`` on chat, ``logprobs`` on completions) are
+those of plain decoding, exactly (see :mod:`draftwise.decoding.logprobs`); the prompt's own (``echo`` with
+``logprobs``) are not computed and refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..decoding.logprobs import MAX_TOP_LOGPROBS
 from ..decoding.sampling import SamplingParams
 from ..errors import InvalidRequestError, UnsupportedOptionError
 
@@ -22,8 +25,6 @@ from ..errors import InvalidRequestError, UnsupportedOptionError
 OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -73,8 +74,6 @@ class _Request(BaseModel):
     # Accepted only at their "off" values (see OFF_ONLY).
     n: int | None = None
     best_of: int | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     echo: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -91,6 +90,10 @@ class _Request(BaseModel):
                 )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true")
+
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per token to return with each token's log-probability (``None``: no log-probabilities)."""
+        return None
 
     def _off_only(self) -> dict[str, tuple[Any, ...]]:
         return OFF_ONLY
@@ -126,6 +129,13 @@ class CompletionRequest(_Request):
 
     prompt: str | list[int]
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise UnsupportedOptionError("'logprobs' with 'echo' (the prompt's log-probabilities) is not supported by "
+                                         "this server")
+        return self.logprobs
 
     def _off_only(self) -> dict[str, tuple[Any, ...]]:
         # ``echo`` is honoured for completions (the prompt's text before the answer), not for chat.
@@ -160,6 +170,8 @@ class ChatCompletionRequest(_Request):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -173,6 +185,11 @@ class ChatCompletionRequest(_Request):
         if not any(message.text().strip() for message in messages):
             raise ValueError("every message is empty")
         return messages
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, str]]:
         return [{"role": message.role, "content": message.text()} for message in self.messages]

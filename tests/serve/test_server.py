@@ -25,9 +25,12 @@ import draftwise
 from draftwise.backend.calibration.invariance import plan_rows
 from draftwise.backend.calibration.machine import MeasurementStore
 from draftwise.backend.forward.lean import LeanTarget
+from draftwise.backend.rows import RowBlock
 from draftwise.decoding.drafter import NoDrafter
 from draftwise.decoding.engine import Decoder
+from draftwise.decoding.logprobs import token_logprobs
 from draftwise.decoding.sampling import SamplingParams
+from draftwise.errors import UnsupportedOptionError
 from draftwise.serve import ServerBusyError, ServingEngine, create_app
 from draftwise.serve.load import run_load
 
@@ -256,6 +259,34 @@ def test_logprobs_are_plain_decodings(server, target):
     assert all(entry.top_logprobs == [] for entry in entries)
     assert server.client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4).choices[0].logprobs is None
 
+    # The prompt's own (echo with logprobs: lm-evaluation-harness's loglikelihood requests), each bitwise one-row
+    # decoding's row, the first prompt token without one.
+    with torch.inference_mode():
+        cache = target.new_cache(len(plain.prompt_ids) + 4)
+        rows = [target.prefill([cache], [plain.prompt_ids[:1]]).logits[0][-1]]
+        for token in plain.prompt_ids[1:-1]:
+            rows.append(target.forward([cache], [RowBlock.chain([token])]).logits[0][-1])
+            target.commit(cache, [0])
+    prompt_expected = token_logprobs(torch.stack(rows), plain.prompt_ids[1:], 1)
+    for stream in (False, True):
+        answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1,
+                                                  echo=True, stream=stream)
+        if stream:
+            chunks = [chunk.choices[0] for chunk in answer if chunk.choices]
+            assert "".join(chunk.text for chunk in chunks) == prompt + plain.text[:2]
+            logprobs = {key: [value for chunk in chunks for value in getattr(chunk.logprobs, key)]
+                        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        else:
+            assert answer.choices[0].text == prompt + plain.text[:2]
+            logprobs = answer.choices[0].logprobs.model_dump()
+        assert logprobs["tokens"] == list(prompt + plain.text[:2])
+        assert logprobs["token_logprobs"] == [None] + [entry.logprob for entry in prompt_expected + expected[:2]]
+        assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"]) == len(plain.prompt_ids) + 2
+        assert logprobs["text_offset"] == list(range(len(plain.prompt_ids) + 2))
+    transformers_engine = ServingEngine(make_tiny_model("qwen2", seed=0), ChatCharTokenizer(), "ar")
+    with pytest.raises(UnsupportedOptionError, match="prompt's log-probabilities"):
+        transformers_engine.submit(plain.prompt_ids, 4, lambda event: None, logprobs=1, prompt_logprobs=True)
+
     sampled = plain_logprobs(target, plain.prompt_ids, 20, 0, temperature=0.9, top_k=20, seed=5)
     answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, seed=5,
                                               logprobs=0, extra_body={"top_k": 20})
@@ -290,7 +321,6 @@ def test_stop_sequences_and_seeded_sampling(server, target):
     ({"model": MODEL, "prompt": "Ā" * 300}, 400, "context window"),
     ({"model": MODEL, "prompt": "Āā", "max_tokens": 1000}, 400, "context window"),
     ({"model": MODEL, "prompt": "Āā", "n": 2}, 400, "'n'"),
-    ({"model": MODEL, "prompt": "Āā", "logprobs": 3, "echo": True}, 400, "'logprobs' with 'echo'"),
     ({"model": MODEL, "prompt": "Āā", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "Āā", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "Āā", "mirostat": 1}, 400, "'mirostat' is not a supported option"),

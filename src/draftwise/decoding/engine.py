@@ -81,6 +81,8 @@ class SequenceState:
         logprobs: alternatives per token to keep with each emitted token's log-probability (``None``: none kept).
         token_logprobs: each emitted token's log-probability (with ``logprobs`` set; see
             :mod:`draftwise.decoding.logprobs`).
+        prompt_logprobs: the log-probability of each prompt token after the first, when asked for (``None``
+            otherwise; only a prompt prefilled through :meth:`Decoder.step`'s pieces has them).
     """
 
     prompt_ids: tuple[int, ...]
@@ -100,6 +102,7 @@ class SequenceState:
     prefilled: int = 0
     logprobs: int | None = None
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -236,9 +239,12 @@ class Decoder:
         sampling: SamplingParams | None = None,
         stats: GenerationStats | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> SequenceState:
         """A new sequence, ready for :meth:`prefill` (the caller has validated the request); ``logprobs``: keep
-        every emitted token's log-probability with that many alternatives."""
+        every emitted token's log-probability with that many alternatives (and with ``prompt_logprobs``, every
+        prompt token's after the first: the prompt must then be prefilled in :meth:`step`'s pieces, on a target
+        with ``chunked_prefill``)."""
         sampling = sampling if sampling is not None else SamplingParams()
         return SequenceState(
             prompt_ids=tuple(int(token) for token in prompt_ids),
@@ -251,6 +257,7 @@ class Decoder:
             context=[int(token) for token in prompt_ids],
             draws=sampling.draws(),
             logprobs=logprobs,
+            prompt_logprobs=[] if prompt_logprobs and logprobs is not None else None,
         )
 
     def open(self, sequence: SequenceState) -> None:
@@ -266,6 +273,8 @@ class Decoder:
     @torch.inference_mode()
     def prefill(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
         """Run each sequence's prompt and emit its first token (the first step of every sequence)."""
+        if any(sequence.prompt_logprobs is not None for sequence in sequences):
+            raise ValueError("prompt log-probabilities come from a prefill in pieces (Decoder.step's prompt_chunks)")
         for sequence in sequences:
             self.open(sequence)
         output = self.target.prefill([sequence.cache for sequence in sequences], [sequence.context for sequence in sequences])
@@ -311,7 +320,7 @@ class Decoder:
         output = self.target.forward(
             [sequence.cache for sequence in active] + [sequence.cache for sequence, _ in prompt_chunks],
             [tree.rows(context[-1]) for tree, context in zip(trees, contexts)] + chunks,
-            last_only=[False] * len(active) + [True] * len(chunks),
+            last_only=[False] * len(active) + [sequence.prompt_logprobs is None for sequence, _ in prompt_chunks],
             hidden_states=want_hidden,
         )
         forward_seconds = time.perf_counter() - forward_started
@@ -349,6 +358,11 @@ class Decoder:
         chunk_events = []
         for (sequence, rows), logits in zip(prompt_chunks, output.logits[len(active):]):
             self.target.commit(sequence.cache, range(rows))
+            if sequence.prompt_logprobs is not None and sequence.logprobs is not None:
+                # Row i of the piece decides the prompt's token after it (the last row of the last piece: the first
+                # emitted token, see _first_token).
+                following = sequence.prompt_ids[sequence.prefilled + 1 : sequence.prefilled + rows + 1]
+                sequence.prompt_logprobs += token_logprobs(logits, following, sequence.logprobs)
             sequence.prefilled += rows
             chunk_events.append(self._first_token(sequence, logits) if not sequence.prompt_left else StepEvent([]))
         return [

@@ -86,6 +86,7 @@ class _Job:
     skip_special_tokens: bool = True
     echo: str = ""  # the prompt's text, sent before the answer (completions with echo)
     logprobs: int | None = None  # alternatives per token, when log-probabilities are asked for
+    prompt_logprobs: bool = False  # the prompt's too (completions with echo and logprobs)
 
     def settled_text(self, tokenizer: Any) -> SettledText:
         return SettledText(tokenizer, self.stops, self.keep_stop, self.skip_special_tokens)
@@ -126,9 +127,10 @@ class Server:
         stops = request.stops()
         stop_ids = self._token_ids(request.stop_token_ids or [], "stop_token_ids")
         logprobs = request.logprobs_asked()
+        prompt_logprobs = isinstance(request, CompletionRequest) and request.prompt_logprobs_asked()
         try:
             ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids,
-                                        logprobs)
+                                        logprobs, prompt_logprobs)
         except ServerBusyError as error:
             self.engine.metrics.request_refused()
             raise APIError(503, str(error), kind="server_overloaded", code="queue_full",
@@ -136,7 +138,7 @@ class Server:
         prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
         return _Job(kind, prompt_ids, events, ticket, StopSequences(self.engine.tokenizer, stops) if stops else None,
                     f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request.include_stop_str_in_output,
-                    request.skip_special_tokens, logprobs=logprobs)
+                    request.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _prompt_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -210,6 +212,17 @@ class Server:
                                   **{text(token): _finite(value) for token, value in entry.top}} for entry in entries],
                 "text_offset": offsets}
 
+    def _prompt_logprobs(self, job: _Job, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """The prompt's log-probabilities in completions' shape (the first token has none), offsets from 0."""
+        if not job.prompt_logprobs:
+            return None
+        first = self.engine.tokenizer.decode([job.prompt_ids[0]])
+        rest = self._logprobs(job, entries, len(first)) or {}
+        return {"tokens": [first, *rest.get("tokens", [])],
+                "token_logprobs": [None, *rest.get("token_logprobs", [])],
+                "top_logprobs": [None, *rest.get("top_logprobs", [])],
+                "text_offset": [0, *rest.get("text_offset", [])]}
+
     async def _next_event(self, job: _Job, http: Request | None) -> TokenEvent:
         """The job's next event; a client gone away cancels the job."""
         while True:
@@ -223,10 +236,12 @@ class Server:
     async def _complete(self, job: _Job, http: Request) -> dict[str, Any]:
         tokens: list[int] = []
         entries: list[TokenLogprob] = []
+        prompt_entries: list[TokenLogprob] = []
         while True:
             event = await self._next_event(job, http)
             tokens.extend(event.tokens)
             entries.extend(event.logprobs or ())
+            prompt_entries.extend(event.prompt_logprobs or ())
             if event.finish_reason is not None:
                 break
         if event.finish_reason == "error":
@@ -234,6 +249,9 @@ class Server:
         text = job.settled_text(self.engine.tokenizer).advance(tokens, finished=True)
         reason = FINISH_REASONS.get(event.finish_reason, event.finish_reason)
         logprobs = self._logprobs(job, entries, len(job.echo))
+        prompt_logprobs = self._prompt_logprobs(job, prompt_entries)
+        if logprobs is not None and prompt_logprobs is not None:
+            logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
         if job.kind == "text_completion":
             choice: dict[str, Any] = {"index": 0, "text": job.echo + text, "logprobs": logprobs,
                                       "finish_reason": reason}
@@ -269,12 +287,17 @@ class Server:
         text_offset = len(job.echo)  # (completions' log-probabilities give each token's place in the text)
         try:
             first = True
-            if job.echo:  # the prompt first, as vLLM streams an echo
+            waiting: TokenEvent | None = None
+            if job.echo:  # the prompt first, as vLLM streams an echo (with its log-probabilities: at the first token)
                 usage = {"usage": self._usage(job, 0) if continuous_usage else None} if include_usage else {}
-                yield chunk([self._chunk_choice(job, job.echo, None, first)], **usage)
+                prompt_logprobs = None
+                if job.prompt_logprobs:
+                    waiting = await self._next_event(job, None)
+                    prompt_logprobs = self._prompt_logprobs(job, waiting.prompt_logprobs or [])
+                yield chunk([self._chunk_choice(job, job.echo, None, first, prompt_logprobs)], **usage)
                 first = False
             while not finished:
-                event = await self._next_event(job, None)
+                event, waiting = (waiting, None) if waiting is not None else (await self._next_event(job, None), None)
                 if event.finish_reason == "error":
                     error = {"message": event.error or "the engine failed", "type": "server_error", "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"

@@ -25,7 +25,7 @@ from ..decoding.logprobs import TokenLogprob
 from ..decoding.sampling import SamplingParams
 from ..decoding.stats import GenerationStats
 from ..drafters import Drafter, make_drafter
-from ..errors import DraftwiseError
+from ..errors import DraftwiseError, UnsupportedOptionError
 from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class TokenEvent:
     stats: GenerationStats | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first tokens, when asked for
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class Ticket:
     on_event: Callable[[TokenEvent], None]
     eos: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     state: SequenceState | None = None
     cancelled: bool = False
@@ -135,17 +137,23 @@ class ServingEngine:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Ticket:
         """Queue a request; ``on_event`` is called on the worker thread with each step's tokens for it
         (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``; ``stop_token_ids``: more
         tokens that end it, kept in the output, as vLLM does, even with ``ignore_eos``; ``logprobs``: every token's
-        log-probability comes with it, with that many alternatives).
+        log-probability comes with it, with that many alternatives; ``prompt_logprobs``: so do the prompt's, with
+        the first tokens).
 
         Raises:
             InvalidRequestError: a request the engine cannot serve.
             ServerBusyError: the queue is full.
         """
         self.check(prompt_ids, max_new_tokens)
+        if prompt_logprobs and (logprobs is None or not self.target.chunked_prefill):
+            raise UnsupportedOptionError(
+                "the prompt's log-probabilities need logprobs and a model whose prompts are prefilled as verification "
+                "rows (the lean forward with its compiled kernels)")
         ticket = Ticket(
             prompt_ids=[int(token) for token in prompt_ids],
             max_new_tokens=max_new_tokens,
@@ -154,6 +162,7 @@ class ServingEngine:
             on_event=on_event,
             eos=(() if ignore_eos else tuple(self.eos)) + tuple(int(token) for token in stop_token_ids),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         with self._lock:
             if self._pending + len(self.scheduler.waiting) >= self.max_waiting:
@@ -240,6 +249,7 @@ class ServingEngine:
             is_stopped=ticket.stops,
             sampling=ticket.sampling,
             logprobs=ticket.logprobs,
+            prompt_logprobs=ticket.prompt_logprobs,
         )
         ticket.state = state
         self._tickets[id(state)] = ticket
@@ -273,8 +283,9 @@ class ServingEngine:
             logprobs = None
             if ticket.logprobs is not None:
                 logprobs = state.token_logprobs[len(state.token_logprobs) - len(tokens):]
+            first = bool(tokens) and len(state.output) == len(tokens)
             ticket.on_event(TokenEvent(list(tokens), finish_reason, state.stats if finish_reason else None,
-                                       logprobs=logprobs))
+                                       logprobs=logprobs, prompt_logprobs=state.prompt_logprobs if first else None))
         except Exception:  # noqa: BLE001 - a broken listener must not stop the other requests
             logger.exception("a request's listener failed; cancelling it")
             if finish_reason is None:

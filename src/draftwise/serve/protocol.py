@@ -7,8 +7,8 @@ extensions with a meaning here are honoured as vLLM honours them: ``top_k``, ``m
 (transformers' meanings), ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats`` and ``echo`` on completions; ``model`` may be
 omitted (the served model). Log-probabilities (``logprobs``/``top_logprobs`` on chat, ``logprobs`` on completions) are
-those of plain decoding, exactly (see :mod:`draftwise.decoding.logprobs`); the prompt's own (``echo`` with
-``logprobs``) are not computed and refused.
+those of plain decoding, exactly (see :mod:`draftwise.decoding.logprobs`); with ``echo`` on completions, the
+prompt's too.
 """
 
 from __future__ import annotations
@@ -132,10 +132,11 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def logprobs_asked(self) -> int | None:
-        if self.logprobs is not None and self.echo:
-            raise UnsupportedOptionError("'logprobs' with 'echo' (the prompt's log-probabilities) is not supported by "
-                                         "this server")
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> bool:
+        """``echo`` with ``logprobs``: the prompt's tokens come with their log-probabilities too."""
+        return bool(self.echo) and self.logprobs is not None
 
     def _off_only(self) -> dict[str, tuple[Any, ...]]:
         # ``echo`` is honoured for completions (the prompt's text before the answer), not for chat.

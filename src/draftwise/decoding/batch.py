@@ -1,10 +1,10 @@
 """Continuous batching: sequences join between steps and leave as they finish, all running sequences verified in
 one forward per step.
 
-Prompts are prefilled in that same forward where the target allows it (``Target.chunked_prefill``): each step takes
-at most ``max_prefill_rows`` prompt rows, oldest prompt first, so a long prompt is prefilled in pieces over several
+With ``max_prefill_rows`` set (the server sets it), prompts are prefilled in that same forward where the target
+allows it (``Target.chunked_prefill``): each step takes at most ``max_prefill_rows`` prompt rows, oldest prompt first, so a long prompt is prefilled in pieces over several
 steps while the running sequences go on decoding, and several short prompts share one forward. Every piece's rows
-are bitwise the rows of the same prompt prefilled alone. Elsewhere a newly admitted prompt is prefilled whole, in
+are bitwise the rows of the same prompt prefilled alone. Otherwise a newly admitted prompt is prefilled whole, in
 its own forward, in the step that admits it.
 
 Every sequence keeps its own draft tree, its own accepted length and its own KV cache: no sequence ever sees another's
@@ -24,8 +24,8 @@ from .engine import Decoder, SequenceState, StepEvent
 
 #: Sequences decoded at once unless told otherwise.
 DEFAULT_MAX_BATCH = 16
-#: Most prompt rows prefilled in one step unless told otherwise: a step then costs at most that many rows more than
-#: its decoding (vLLM's ``max_num_batched_tokens``, counted without the decoding rows).
+#: Most prompt rows prefilled in one step by the server unless told otherwise: a step then costs at most that many
+#: rows more than its decoding (vLLM's ``max_num_batched_tokens``, counted without the decoding rows).
 DEFAULT_MAX_PREFILL_ROWS = 256
 
 
@@ -36,16 +36,17 @@ class Scheduler:
     Args:
         decoder: the decoder (its target, draft budget and latency model).
         max_batch: most sequences in one forward (those being prefilled included).
-        max_prefill_rows: most prompt rows prefilled in one step (see the module docstring); smaller keeps the
-            running sequences' steps shorter, larger brings first tokens sooner when many prompts arrive at once.
+        max_prefill_rows: most prompt rows prefilled in one step (see the module docstring; ``None``, the default:
+            each admitted prompt whole, in its own forward); smaller keeps the running sequences' steps shorter,
+            larger brings first tokens sooner when many prompts arrive at once.
     """
 
     def __init__(
-        self, decoder: Decoder, max_batch: int = DEFAULT_MAX_BATCH, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS
+        self, decoder: Decoder, max_batch: int = DEFAULT_MAX_BATCH, max_prefill_rows: int | None = None
     ) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
-        if not isinstance(max_prefill_rows, int) or max_prefill_rows < 1:
+        if max_prefill_rows is not None and (not isinstance(max_prefill_rows, int) or max_prefill_rows < 1):
             raise InvalidRequestError(f"max_prefill_rows must be a positive integer, got {max_prefill_rows!r}")
         self.decoder = decoder
         self.max_batch = max_batch
@@ -82,7 +83,7 @@ class Scheduler:
         admitted = []
         while self.waiting and len(running) + len(self.prefilling) + len(admitted) < self.max_batch:
             admitted.append(self.waiting.popleft())
-        if not self.decoder.target.chunked_prefill:
+        if self.max_prefill_rows is None or not self.decoder.target.chunked_prefill:
             events: list[tuple[SequenceState, StepEvent]] = []
             if running:
                 events += zip(running, self.decoder.step(running))
@@ -94,6 +95,8 @@ class Scheduler:
             self.decoder.open(sequence)
         self.prefilling += admitted
         chunks = self._prompt_chunks()
+        if not running and not chunks:
+            return []
         events = [
             (sequence, event)
             for sequence, event in zip(running + [sequence for sequence, _ in chunks], self.decoder.step(running, chunks))
@@ -107,7 +110,7 @@ class Scheduler:
     def _prompt_chunks(self) -> list[tuple[SequenceState, int]]:
         """This step's prompt pieces: ``max_prefill_rows`` rows handed out oldest prompt first (first tokens come
         in order of arrival, and a prompt never waits behind a later one)."""
-        rows_left, chunks = self.max_prefill_rows, []
+        rows_left, chunks = self.max_prefill_rows or 0, []
         for sequence in self.prefilling:
             if rows_left <= 0:
                 break

@@ -297,7 +297,10 @@ class Server:
                 yield chunk([self._chunk_choice(job, job.echo, None, first, prompt_logprobs)], **usage)
                 first = False
             while not finished:
-                event, waiting = (waiting, None) if waiting is not None else (await self._next_event(job, None), None)
+                if waiting is not None:  # (the first event, already taken for the prompt's log-probabilities)
+                    event, waiting = waiting, None
+                else:
+                    event = await self._next_event(job, None)
                 if event.finish_reason == "error":
                     error = {"message": event.error or "the engine failed", "type": "server_error", "code": None}
                     yield f"data: {json.dumps({'error': error})}\n\n"

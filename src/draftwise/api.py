@@ -245,6 +245,7 @@ def stream(
     latency: LatencyModel | None = None,
     sampling: SamplingParams | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
+    ignore_eos: bool = False,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted (for a
@@ -256,7 +257,7 @@ def stream(
     """
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
-                                       chat_template, budget, method_options, sampling, options)
+                                       chat_template, budget, method_options, sampling, options, ignore_eos)
 
     def pieces() -> Iterator[Any]:
         texts = [SettledText(request.tokenizer, request.stops) for request in requests]
@@ -283,6 +284,7 @@ def generate(
     latency: LatencyModel | None = None,
     sampling: SamplingParams | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
+    ignore_eos: bool = False,
     **options: Any,
 ) -> GenerationResult | list[GenerationResult]:
     """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
@@ -310,6 +312,8 @@ def generate(
             keywords).
         max_batch: most prompts of a batch decoded at once (the rest wait and join as others finish); every
             prompt's tokens are the ones it gets decoded alone.
+        ignore_eos: go on past end-of-sequence tokens up to ``max_new_tokens`` (fixed-length runs, as vLLM's
+            ``ignore_eos``); stop sequences still end generation.
         **options: sampling options with transformers' meanings: ``temperature`` (0 = greedy, the default),
             ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``, ``do_sample``. Sampling output has
             exactly the distribution of plain sampling with the same options; with a fixed ``seed`` every token is
@@ -327,7 +331,7 @@ def generate(
     """
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
-                                       chat_template, budget, method_options, sampling, options)
+                                       chat_template, budget, method_options, sampling, options, ignore_eos)
     for _ in _decode(target, requests, budget, latency, max_batch, holder):
         pass
     return holder["results"] if batch else holder["results"][0]
@@ -398,14 +402,14 @@ def _batch_of(prompt: Any, prompt_ids: Any) -> tuple[list[Any], list[Any], bool]
 
 
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-             method_options, sampling, options) -> tuple[Target, list[_Request], bool]:
+             method_options, sampling, options, ignore_eos) -> tuple[Target, list[_Request], bool]:
     prompts, ids_list, batch = _batch_of(prompt, prompt_ids)
     sampling = make_sampling(sampling, options)
     target = as_target(model)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if stops and tokenizer is None:
         raise InvalidRequestError("stop sequences need a tokenizer")
-    eos = eos_token_ids(target.model, tokenizer)
+    eos = [] if ignore_eos else eos_token_ids(target.model, tokenizer)
     first_drafter, name = resolve_method(method, method_options)
     requests = []
     for index, (text, ids) in enumerate(zip(prompts, ids_list)):

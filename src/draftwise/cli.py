@@ -486,22 +486,118 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_loadtest(args: argparse.Namespace) -> int:
-    """A bounded load test against a running server."""
-    import asyncio
+def _concurrency_levels(args: argparse.Namespace) -> list[int]:
+    if args.sweep is not None and args.concurrency is not None:
+        raise InvalidRequestError("give --concurrency or --sweep, not both")
+    if args.sweep is None:
+        return [args.concurrency if args.concurrency is not None else 16]
+    if args.sweep == "":
+        from .serve.load import DEFAULT_SWEEP
 
+        return list(DEFAULT_SWEEP)
+    try:
+        levels = [int(part) for part in args.sweep.split(",")]
+    except ValueError:
+        raise InvalidRequestError(f"--sweep takes concurrencies such as 1,4,16, not {args.sweep!r}") from None
+    return levels
+
+
+def _loadtest_prompts(args: argparse.Namespace, count: int) -> list[str]:
+    """Spec-Bench questions, or ``count`` distinct synthetic prompts."""
     from .bench.prompts import load_spec_bench
-    from .serve.load import run_load
 
-    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        raise InvalidRequestError("--requests, --concurrency and --max-tokens must be positive")
-    prompts = [prompt.text for prompt in load_spec_bench(args.data, per_category=args.per_category)]
-    report = asyncio.run(run_load(args.url, args.model, prompts, args.requests, args.concurrency, args.max_tokens,
-                                  chat=not args.completions))
-    print(json.dumps(report.summary(), indent=1))
-    for error in report.errors[:10]:
-        print(error, file=sys.stderr)
-    return 1 if report.errors else 0
+    if args.data == "spec-bench":
+        return [prompt.text for prompt in load_spec_bench(args.data_file, per_category=args.per_category)]
+    from transformers import AutoTokenizer
+
+    from .models import resolve_checkpoint
+    from .serve.load import synthetic_prompts
+
+    source = args.tokenizer or args.model
+    try:
+        folder = source if os.path.isdir(source) else str(resolve_checkpoint(source, args.cache_dir, progress=False))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, DraftwiseError) as error:
+        raise InvalidRequestError(f"synthetic prompts need the model's tokenizer: pass --tokenizer ({error})") from None
+    corpus = [prompt.text for prompt in load_spec_bench(args.data_file)]  # the whole file: many distinct windows
+    return synthetic_prompts(tokenizer, corpus, count, args.prompt_tokens)
+
+
+def _print_load_table(runs: dict[str, list[dict]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="load test (guidellm's metrics: TTFT, ITL, TPOT in ms; request latency in s)")
+    for column in ("server", "concurrency", "ok", "errors", "output tok/s", "req/s", "TTFT p50", "TTFT p99",
+                   "ITL p50", "TPOT p50", "latency p50", "latency p99", "drafting", "MAL", "tok/step"):
+        table.add_column(column, justify="left" if column == "server" else "right")
+
+    def number(value: float | None, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for label, levels in runs.items():
+        for level in levels:
+            metrics, speculation = level["metrics"], level.get("speculation") or {}
+            ttft, itl = metrics["time_to_first_token_ms"] or {}, metrics["inter_token_latency_ms"] or {}
+            tpot, latency = metrics["time_per_output_token_ms"] or {}, metrics["request_latency"] or {}
+            table.add_row(
+                label, str(level["concurrency"]), str(metrics["request_totals"]["successful"]),
+                str(metrics["request_totals"]["errored"]), number(metrics["output_tokens_per_second"], 2),
+                number(metrics["requests_per_second"], 3), number(ttft.get("median"), 0), number(ttft.get("p99"), 0),
+                number(itl.get("median")), number(tpot.get("median")), number(latency.get("median"), 2),
+                number(latency.get("p99"), 2),
+                f"{speculation['drafting_share']:.0%}" if "drafting_share" in speculation else "-",
+                number(speculation.get("mean_acceptance_length"), 2), number(speculation.get("tokens_per_sequence_step"), 2),
+            )
+    # Piped to a file the table keeps every column whole (rich would cut it to 80 characters).
+    Console(width=None if sys.stdout.isatty() else 180).print(table)
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    """Load test a running server at one concurrency or a sweep of them; table, JSON and chart."""
+    from .serve.load import read_results, requests_for, sweep, write_results
+
+    levels = _concurrency_levels(args)
+    if min(levels) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1:
+        raise InvalidRequestError("--requests, --concurrency/--sweep and --max-tokens must be positive")
+    if args.prompt_tokens < 1 or args.warmup < 0:
+        raise InvalidRequestError("--prompt-tokens must be positive and --warmup at least 0")
+    compared = {}
+    for path in args.compare:
+        try:
+            label, compared_levels = read_results(path)
+        except (OSError, ValueError) as error:
+            raise InvalidRequestError(f"--compare {path}: {error}") from None
+        compared[label] = compared_levels
+    prompts = _loadtest_prompts(args, max(args.requests or 0, *(requests_for(level) for level in levels)))
+    label = args.label or args.url
+    synthetic = args.data == "synthetic"
+
+    def progress(report) -> None:
+        metrics = report.metrics()
+        print(f"concurrency {report.concurrency}: {metrics['request_totals']['successful']} ok, "
+              f"{metrics['request_totals']['errored']} errors, {metrics['output_tokens_per_second']:.2f} output tok/s",
+              file=sys.stderr)
+
+    reports = sweep(args.url, args.model, prompts, levels, args.max_tokens, requests=args.requests,
+                    warmup=args.warmup, on_level=progress, chat=not args.completions, stream=not args.no_stream,
+                    ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature)
+    settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
+                "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,
+                "ignore_eos": synthetic or args.ignore_eos, "temperature": args.temperature,
+                "endpoint": "completions" if args.completions else "chat"}
+    if args.json:
+        write_results(args.json, label, settings, reports)
+    runs = {label: [report.summary() for report in reports], **compared}
+    _print_load_table(runs)
+    if args.plot:
+        from .bench.plots import load_chart
+
+        load_chart(runs, args.plot)
+    for report in reports:
+        for error in report.errors[:5]:
+            print(error, file=sys.stderr)
+    return 1 if any(report.errors for report in reports) else 0
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:
@@ -674,15 +770,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(serve)
     serve.set_defaults(handler=cmd_serve)
 
-    loadtest = commands.add_parser("loadtest", help="bounded load test of a running server (streaming requests)")
-    loadtest.add_argument("--url", default="http://127.0.0.1:8000/v1")
-    loadtest.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
-    loadtest.add_argument("--requests", type=int, default=128)
-    loadtest.add_argument("--concurrency", type=int, default=64)
-    loadtest.add_argument("--max-tokens", type=int, default=64)
+    loadtest = commands.add_parser(
+        "loadtest", help="load test a running OpenAI-compatible server at one or more concurrencies (guidellm's metrics)")
+    loadtest.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's /v1 address")
+    loadtest.add_argument("--model", default=DEFAULT_MODEL,
+                          help="the served model name; also the tokenizer of synthetic prompts unless --tokenizer")
+    loadtest.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 16)")
+    loadtest.add_argument("--sweep", nargs="?", const="", default=None, metavar="C1,C2,...",
+                          help="one level per concurrency, one after the other (default 1,4,16)")
+    loadtest.add_argument("--requests", type=int, default=None, help="requests per level (default 4 per client, at least 8)")
+    loadtest.add_argument("--max-tokens", "--output-tokens", dest="max_tokens", type=int, default=128,
+                          help="tokens per answer (synthetic data: exactly this many, with ignore_eos)")
+    loadtest.add_argument("--data", default="spec-bench", choices=["spec-bench", "synthetic"],
+                          help="Spec-Bench questions, or synthetic prompts of --prompt-tokens tokens cut from them")
+    loadtest.add_argument("--prompt-tokens", type=int, default=256, help="tokens per synthetic prompt")
+    loadtest.add_argument("--tokenizer", default=None, help="tokenizer folder or preset for synthetic prompts")
     loadtest.add_argument("--per-category", type=int, default=3, help="Spec-Bench prompts per category")
-    loadtest.add_argument("--data", default=None, help="Spec-Bench question file (default: the shared copy)")
+    loadtest.add_argument("--data-file", default=None, help="Spec-Bench question file (default: the shared copy)")
+    loadtest.add_argument("--cache-dir", default=None, help="converted checkpoints (where --model's tokenizer is)")
+    loadtest.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT or ITL)")
     loadtest.add_argument("--completions", action="store_true", help="text completions instead of chat")
+    loadtest.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    loadtest.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    loadtest.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the first level")
+    loadtest.add_argument("--label", default=None, help="the server's name in tables and charts (default: --url)")
+    loadtest.add_argument("--json", default=None, help="write the levels here (read back by --compare)")
+    loadtest.add_argument("--plot", default=None, help="PNG chart: output tok/s, TTFT and ITL against concurrency")
+    loadtest.add_argument("--compare", nargs="*", default=[], metavar="RESULTS.json",
+                          help="earlier --json results (other servers) shown beside this run")
     loadtest.set_defaults(handler=cmd_loadtest)
     return parser
 

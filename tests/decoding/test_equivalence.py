@@ -378,6 +378,18 @@ def test_eos_inside_accepted_draft(models, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", MODELS)
+def test_ignore_eos_runs_to_the_token_limit(models, kind, monkeypatch):
+    """``ignore_eos``: the EOS inside the output is kept and generation goes on, every token plain decoding's."""
+    model = models[kind]
+    prompt, max_new_tokens, reference, index = _eos_case(model, kind)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", reference[index])
+    for method in ("ar", "pld", OracleChainDrafter(prompt, reference, length=8)):
+        result = draftwise.generate(model, CharTokenizer(), prompt_ids=prompt, method=method,
+                                    max_new_tokens=max_new_tokens, ignore_eos=True)
+        assert result.token_ids == reference and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", MODELS)
 def test_eos_as_eos_list_and_first_token(models, kind, monkeypatch):
     model = models[kind]
     prompt, max_new_tokens = CASES[kind][0]

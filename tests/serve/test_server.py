@@ -10,15 +10,12 @@ import json
 import random
 import resource
 import socket
-import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 import torch
-import uvicorn
+from servers import MODEL, RunningServer
 from tiny import ChatCharTokenizer, make_tiny_model, repetitive_prompt
 
 import draftwise
@@ -31,52 +28,8 @@ from draftwise.decoding.engine import Decoder
 from draftwise.decoding.logprobs import token_logprobs
 from draftwise.decoding.sampling import SamplingParams
 from draftwise.errors import UnsupportedOptionError
-from draftwise.serve import ServerBusyError, ServingEngine, create_app
-from draftwise.serve.load import run_load
-
-MODEL = "tiny-qwen2"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class RunningServer:
-    """A uvicorn server on a thread, on a free loopback port."""
-
-    def __init__(self, engine: ServingEngine, default_max_tokens: int = 24) -> None:
-        self.engine = engine
-        self.port = free_port()
-        config = uvicorn.Config(create_app(engine, MODEL, default_max_tokens), host="127.0.0.1", port=self.port,
-                                log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=60)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    def post(self, path: str, body: bytes | dict, content_type: str = "application/json") -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
-
-    def get(self, path: str) -> tuple[int, str]:
-        with urllib.request.urlopen(self.base + path, timeout=30) as response:
-            return response.status, response.read().decode()
+from draftwise.serve import ServerBusyError, ServingEngine
+from draftwise.serve.load import RequestRecord, read_results, run_load, speculation_between, sweep
 
 
 @pytest.fixture(scope="module")
@@ -448,8 +401,9 @@ def test_load_64_concurrent_streams(target):
         for report in (first, second):
             assert not report.errors, report.errors[:3]
             assert not report.mismatches
-            assert report.completion_tokens == 192 * 24
-            assert report.summary()["latency_p99_s"] >= report.summary()["latency_p50_s"] > 0
+            assert report.output_tokens == 192 * 24
+            latency = report.metrics()["request_latency"]
+            assert latency["p99"] >= latency["median"] > 0
         assert grown_kib < 64 * 1024, f"memory grew by {grown_kib} KiB in the second round"
         assert not running.engine._tickets and not running.engine.running and not running.engine.waiting
     finally:
@@ -469,6 +423,9 @@ def test_engine_rejects_what_it_cannot_serve(target):
     (["serve", "--method", "nope"], "nope"),
     (["serve", "--max-batch", "0"], "--max-batch"),
     (["loadtest", "--requests", "0"], "--requests"),
+    (["loadtest", "--sweep", "1,x"], "--sweep takes"),
+    (["loadtest", "--sweep", "1,4", "--concurrency", "2"], "not both"),
+    (["loadtest", "--compare", "/no/such/results.json"], "--compare"),
     (["serve", "--ray", "--autoscale", "2"], "--autoscale takes MIN,MAX"),
     (["serve", "--ray", "--autoscale", "3,1"], "autoscale needs"),
     (["serve", "--ray", "--replicas", "0"], "replicas must be at least 1"),
@@ -481,3 +438,73 @@ def test_serve_and_loadtest_commands_refuse_bad_options(capsys, arguments, messa
 
     assert cli.main(arguments) == 2
     assert message in capsys.readouterr().err
+
+
+def test_request_metrics_follow_guidellms_definitions():
+    streamed = RequestRecord(start=10.0, end=12.5, output_tokens=5, first_token=10.5, last_token=12.0)
+    assert streamed.request_latency == 2.5
+    assert streamed.time_to_first_token_ms == pytest.approx(500.0)
+    assert streamed.inter_token_latency_ms == pytest.approx(375.0)  # (last - first) / (tokens - 1)
+    assert streamed.time_per_output_token_ms == pytest.approx(400.0)  # (last - start) / tokens
+    whole = RequestRecord(start=10.0, end=12.0, output_tokens=4)
+    assert whole.time_to_first_token_ms is None and whole.inter_token_latency_ms is None
+    assert whole.time_per_output_token_ms == pytest.approx(500.0)
+    assert RequestRecord(start=0.0, end=1.0, output_tokens=1, first_token=0.5, last_token=0.5).inter_token_latency_ms is None
+
+
+def test_speculation_between_two_readings_of_the_counters():
+    before = {"drafts": 10, "draft_tokens": 40, "accepted_tokens": 20, "generation_tokens": 100}
+    after = {"drafts": 40, "draft_tokens": 160, "accepted_tokens": 80, "generation_tokens": 300}
+    spent = speculation_between(before, after)
+    # 200 tokens, 60 of them accepted drafts: 140 sequence steps, 30 of which verified a draft.
+    assert spent["sequence_steps"] == 140 and spent["drafting_share"] == pytest.approx(30 / 140, abs=1e-4)
+    assert spent["mean_acceptance_length"] == 3.0 and spent["acceptance_rate"] == 0.5
+    assert spent["tokens_per_sequence_step"] == pytest.approx(200 / 140, abs=1e-4)
+    assert speculation_between(None, after) is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_sweep_measures_each_level_with_guidellms_metrics(server, stream):
+    prompts = [text_prompt(300 + seed, low=10, high=40) for seed in range(6)]
+    reports = sweep(server.base + "/v1", MODEL, prompts, [1, 3], max_tokens=12, requests=6, warmup=1,
+                    stream=stream, ignore_eos=True)
+    assert [report.concurrency for report in reports] == [1, 3]
+    for report in reports:
+        metrics = report.metrics()
+        assert not report.errors, report.errors[:3]
+        assert metrics["request_totals"] == {"successful": 6, "errored": 0}
+        assert metrics["output_token_count"] == 6 * 12  # ignore_eos: exactly max_tokens each
+        assert metrics["output_tokens_per_second"] > 0 and metrics["request_latency"]["median"] > 0
+        assert metrics["time_per_output_token_ms"]["median"] > 0
+        if stream:
+            assert 0 < metrics["time_to_first_token_ms"]["median"] <= 1000 * metrics["request_latency"]["p99"]
+            assert metrics["inter_token_latency_ms"]["median"] > 0
+        else:
+            assert metrics["time_to_first_token_ms"] is None and metrics["inter_token_latency_ms"] is None
+        speculation = report.speculation  # read from the server's /metrics around the level
+        assert speculation is not None and speculation["sequence_steps"] >= 6
+        assert 0 < speculation["drafting_share"] <= 1 and speculation["mean_acceptance_length"] >= 1
+        assert speculation["tokens_per_sequence_step"] == pytest.approx(
+            72 / speculation["sequence_steps"], abs=1e-3)
+
+
+def test_loadtest_command_writes_results_a_chart_and_compares(server, tmp_path, capsys):
+    from draftwise import cli
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(
+        json.dumps({"question_id": seed, "category": "test", "turns": [text_prompt(400 + seed)]}) + "\n"
+        for seed in range(3)
+    ))
+    common = ["loadtest", "--url", server.base + "/v1", "--model", MODEL, "--data-file", str(questions),
+              "--max-tokens", "6", "--requests", "3"]
+    assert cli.main([*common, "--sweep", "1,2", "--label", "first", "--json", str(tmp_path / "first.json")]) == 0
+    label, levels = read_results(tmp_path / "first.json")
+    assert label == "first" and [level["concurrency"] for level in levels] == [1, 2]
+    assert levels[0]["metrics"]["request_totals"]["successful"] == 3
+    chart = tmp_path / "chart.png"
+    assert cli.main([*common, "--concurrency", "2", "--no-stream", "--label", "second",
+                     "--compare", str(tmp_path / "first.json"), "--plot", str(chart)]) == 0
+    table = capsys.readouterr().out
+    assert "first" in table and "second" in table and "TTFT" in table
+    assert chart.stat().st_size > 10_000

@@ -90,3 +90,39 @@ def budget_chart(
     axes.set_title("Speed against draft budget")
     _legend(axes)
     return _save(figure, path)
+
+
+def load_chart(runs: Mapping[str, Sequence[Mapping]], path: str | Path) -> Path:
+    """Three panels against concurrency, one line per server (``runs[label]``: its loadtest levels): output
+    tokens/s; time to first token (median solid, p99 dashed); inter-token latency (median)."""
+    figure = Figure(figsize=(13.0, 4.0))
+    throughput, first_token, inter_token = figure.subplots(1, 3)
+    ticks: set[int] = set()
+    for label, levels in runs.items():
+        levels = sorted(levels, key=lambda level: level["concurrency"])
+        concurrency = [level["concurrency"] for level in levels]
+        ticks.update(concurrency)
+        metrics = [level["metrics"] for level in levels]
+        line = throughput.plot(concurrency, [m["output_tokens_per_second"] for m in metrics], marker="o",
+                               label=short_label(label))[0]
+        colour = line.get_color()
+        ttft = [(c, m["time_to_first_token_ms"]) for c, m in zip(concurrency, metrics) if m["time_to_first_token_ms"]]
+        if ttft:
+            first_token.plot([c for c, _ in ttft], [d["median"] for _, d in ttft], marker="o", color=colour)
+            first_token.plot([c for c, _ in ttft], [d["p99"] for _, d in ttft], linestyle="--", color=colour)
+        itl = [(c, m["inter_token_latency_ms"]) for c, m in zip(concurrency, metrics) if m["inter_token_latency_ms"]]
+        if itl:
+            inter_token.plot([c for c, _ in itl], [d["median"] for _, d in itl], marker="o", color=colour)
+    titles = ("output tokens/s", "time to first token, ms (median; p99 dashed)", "inter-token latency, ms (median)")
+    for axes, title in zip((throughput, first_token, inter_token), titles):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(sorted(ticks), [str(tick) for tick in sorted(ticks)])
+        axes.set_xlabel("concurrent requests")
+        axes.set_title(title, fontsize="medium")
+        axes.grid(alpha=0.3)
+        axes.set_ylim(bottom=0)
+    first_token.set_yscale("symlog", linthresh=100)
+    handles, labels = throughput.get_legend_handles_labels()
+    inter_token.legend(handles, labels, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                       borderaxespad=0.0)
+    return _save(figure, path)

@@ -1,53 +1,128 @@
-"""A bounded load test against a running server: a fixed number of streaming requests from a fixed number of
-concurrent clients, through the official ``openai`` client; it stops by itself.
+"""Load tests against a running OpenAI-compatible server: a fixed number of requests from a fixed number of
+concurrent clients (through the official ``openai`` client), level after level of concurrency; each level stops by
+itself.
 
-Reports throughput (completion tokens over wall time), request latency and time to first token (p50/p99), errors,
-and, when the expected answer of each prompt is given (greedy requests), how many answers differ from it: a
-request that saw another's text shows up there.
+The metrics carry guidellm's names and definitions, so a run here reads like a guidellm report of the same profile:
+
+- ``request_latency`` (seconds): from sending a request to the end of its answer;
+- ``time_to_first_token_ms`` (TTFT): from sending to the first generated text (streaming only);
+- ``inter_token_latency_ms`` (ITL): (last token - first token) / (output tokens - 1) (streaming only);
+- ``time_per_output_token_ms`` (TPOT): (last token - start) / output tokens, the first token included;
+- ``output_tokens_per_second``: output tokens of the successful requests over the level's wall time;
+- ``requests_per_second``, ``request_totals`` (successful, errored).
+
+Output tokens are the server's ``usage.completion_tokens`` (streams ask for the usage chunk), else the chunks with
+text. Against a draftwise server each level also reads the speculation counters of ``/metrics`` before and after it:
+how many sequence steps drafted, the mean acceptance length and the tokens each sequence step gave.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..bench.metrics import percentile
 
+#: The concurrency levels of ``draftwise loadtest --sweep`` without a list.
+DEFAULT_SWEEP = (1, 4, 16)
+
+
+@dataclass
+class RequestRecord:
+    """One successful request's timings (``time.perf_counter`` seconds) and size."""
+
+    start: float
+    end: float
+    output_tokens: int
+    first_token: float | None = None  # None: not streamed (or no text came)
+    last_token: float | None = None
+
+    @property
+    def request_latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def time_to_first_token_ms(self) -> float | None:
+        return None if self.first_token is None else 1000 * (self.first_token - self.start)
+
+    @property
+    def time_per_output_token_ms(self) -> float | None:
+        last = self.last_token if self.last_token is not None else self.end
+        return 1000 * (last - self.start) / self.output_tokens if self.output_tokens else None
+
+    @property
+    def inter_token_latency_ms(self) -> float | None:
+        if self.first_token is None or self.last_token is None or self.output_tokens <= 1:
+            return None
+        return 1000 * (self.last_token - self.first_token) / (self.output_tokens - 1)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float] | None:
+    """Mean, median, p95 and p99 of ``values`` (``None`` when there are none)."""
+    if not values:
+        return None
+    return {
+        "mean": round(sum(values) / len(values), 4),
+        "median": round(percentile(values, 50), 4),
+        "p95": round(percentile(values, 95), 4),
+        "p99": round(percentile(values, 99), 4),
+    }
+
 
 @dataclass
 class LoadReport:
-    """What a load test measured."""
+    """What one level of a load test measured."""
 
     requests: int
     concurrency: int
+    stream: bool = True
+    records: list[RequestRecord] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     mismatches: list[int] = field(default_factory=list)
-    completion_tokens: int = 0
-    wall_s: float = 0.0
-    latency_s: list[float] = field(default_factory=list)
-    first_token_s: list[float] = field(default_factory=list)
+    duration_s: float = 0.0
+    speculation: dict[str, float] | None = None
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+    def output_tokens(self) -> int:
+        return sum(record.output_tokens for record in self.records)
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    def metrics(self) -> dict[str, Any]:
+        """The level's metrics under guidellm's names (distributions: mean, median, p95, p99)."""
+
+        def values(name: str) -> list[float]:
+            return [value for record in self.records if (value := getattr(record, name)) is not None]
+
+        return {
+            "request_totals": {"successful": len(self.records), "errored": len(self.errors)},
+            "requests_per_second": round(len(self.records) / self.duration_s, 4) if self.duration_s > 0 else 0.0,
+            "output_tokens_per_second": round(self.output_tokens_per_second, 3),
+            "output_token_count": self.output_tokens,
+            "request_latency": distribution(values("request_latency")),
+            "time_to_first_token_ms": distribution(values("time_to_first_token_ms")),
+            "inter_token_latency_ms": distribution(values("inter_token_latency_ms")),
+            "time_per_output_token_ms": distribution(values("time_per_output_token_ms")),
+        }
 
     def summary(self) -> dict[str, Any]:
+        """The level as one JSON-ready record: its settings, metrics, speculation counts and answer mismatches."""
         return {
-            "requests": self.requests,
             "concurrency": self.concurrency,
-            "errors": len(self.errors),
+            "requests": self.requests,
+            "stream": self.stream,
+            "duration_s": round(self.duration_s, 3),
+            "metrics": self.metrics(),
+            "speculation": self.speculation,
             "mismatches": len(self.mismatches),
-            "completion_tokens": self.completion_tokens,
-            "wall_s": round(self.wall_s, 3),
-            "tokens_per_s": round(self.tokens_per_s, 2),
-            "requests_per_s": round(self.requests / self.wall_s, 3) if self.wall_s > 0 else 0.0,
-            "latency_p50_s": round(percentile(self.latency_s, 50), 3),
-            "latency_p99_s": round(percentile(self.latency_s, 99), 3),
-            "first_token_p50_s": round(percentile(self.first_token_s, 50), 3),
-            "first_token_p99_s": round(percentile(self.first_token_s, 99), 3),
         }
 
 
@@ -60,51 +135,72 @@ async def run_load(
     max_tokens: int = 32,
     expected: Sequence[str] | None = None,
     chat: bool = True,
+    *,
+    stream: bool = True,
+    ignore_eos: bool = False,
+    temperature: float = 0.0,
     timeout_s: float = 600.0,
 ) -> LoadReport:
-    """Send ``requests`` greedy streaming requests (prompt ``i % len(prompts)``), at most ``concurrency`` at once.
+    """Send ``requests`` requests (prompt ``i % len(prompts)``), at most ``concurrency`` at once.
 
     Args:
         base_url: the server's ``/v1`` address.
         expected: each prompt's expected text (a greedy answer), to check that every request got its own.
         chat: chat completions (else text completions).
+        stream: streaming requests (TTFT and ITL are measured only then).
+        ignore_eos: ask for exactly ``max_tokens`` tokens (vLLM's ``ignore_eos``, as guidellm sends for fixed
+            output lengths).
     """
     from openai import AsyncOpenAI
 
-    report = LoadReport(requests=requests, concurrency=concurrency)
+    report = LoadReport(requests=requests, concurrency=concurrency, stream=stream)
     gate = asyncio.Semaphore(concurrency)
     client = AsyncOpenAI(base_url=base_url, api_key="none", timeout=timeout_s, max_retries=0)
+    options: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    if stream:
+        options["stream_options"] = {"include_usage": True}
+    if ignore_eos:
+        options["extra_body"] = {"ignore_eos": True}
 
     async def one(index: int) -> None:
         prompt = prompts[index % len(prompts)]
         async with gate:
-            started = time.perf_counter()
-            first = None
+            start = time.perf_counter()
+            first = last = None
             pieces: list[str] = []
-            tokens = 0
+            chunks_with_text = 0
+            usage_tokens = None
             try:
-                options: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True}
                 if chat:
-                    stream = await client.chat.completions.create(
+                    answer = await client.chat.completions.create(
                         messages=[{"role": "user", "content": prompt}], **options
                     )
                 else:
-                    stream = await client.completions.create(prompt=prompt, **options)
-                async for chunk in stream:
-                    if not chunk.choices:
-                        continue
-                    choice = chunk.choices[0]
-                    piece = (choice.delta.content if chat else choice.text) or ""
-                    tokens += 1
-                    if first is None:
-                        first = time.perf_counter() - started
-                    pieces.append(piece)
+                    answer = await client.completions.create(prompt=prompt, **options)
+                if stream:
+                    async for chunk in answer:
+                        if chunk.usage is not None:
+                            usage_tokens = chunk.usage.completion_tokens
+                        if not chunk.choices:
+                            continue
+                        choice = chunk.choices[0]
+                        piece = (choice.delta.content if chat else choice.text) or ""
+                        if piece:
+                            chunks_with_text += 1
+                            last = time.perf_counter()
+                            if first is None:
+                                first = last
+                        pieces.append(piece)
+                else:
+                    choice = answer.choices[0]
+                    pieces.append((choice.message.content if chat else choice.text) or "")
+                    usage_tokens = answer.usage.completion_tokens if answer.usage is not None else None
             except Exception as error:  # noqa: BLE001 - every failure is reported, none stops the test
                 report.errors.append(f"request {index}: {type(error).__name__}: {error}")
                 return
-            report.latency_s.append(time.perf_counter() - started)
-            report.first_token_s.append(first or 0.0)
-            report.completion_tokens += tokens
+            end = time.perf_counter()
+            tokens = usage_tokens if usage_tokens is not None else chunks_with_text
+            report.records.append(RequestRecord(start, end, tokens, first, last))
             if expected is not None and "".join(pieces) != expected[index % len(prompts)]:
                 report.mismatches.append(index)
 
@@ -113,5 +209,125 @@ async def run_load(
         await asyncio.gather(*(one(index) for index in range(requests)))
     finally:
         await client.close()
-    report.wall_s = time.perf_counter() - started
+    report.duration_s = time.perf_counter() - started
     return report
+
+
+def _server_root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+def read_speculation_counters(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
+    """A draftwise server's speculation and token counters from ``/metrics``; ``None`` for other servers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(_server_root(base_url) + "/metrics", timeout=timeout_s) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    wanted = {
+        "draftwise:spec_decode_num_drafts": "drafts",
+        "draftwise:spec_decode_num_draft_tokens": "draft_tokens",
+        "draftwise:spec_decode_num_accepted_tokens": "accepted_tokens",
+        "draftwise:generation_tokens": "generation_tokens",
+    }
+    counters: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name in wanted:
+                counters[wanted[family.name]] = sum(
+                    sample.value for sample in family.samples if sample.name.endswith("_total")
+                )
+    except ValueError:
+        return None
+    return counters if len(counters) == len(wanted) else None
+
+
+def speculation_between(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict | None:
+    """What speculation did between two readings of the counters (every request of the level finished).
+
+    ``sequence_steps``: one per step of each sequence (generated tokens - accepted draft tokens);
+    ``drafting_share``: the share of those that verified a draft; ``mean_acceptance_length``: 1 + accepted /
+    drafts (vLLM's definition); ``tokens_per_sequence_step``: what each step of a sequence gave.
+    """
+    if before is None or after is None:
+        return None
+    delta = {name: after[name] - before[name] for name in after}
+    steps = delta["generation_tokens"] - delta["accepted_tokens"]
+    if steps <= 0:
+        return None
+    drafts = delta["drafts"]
+    return {
+        "sequence_steps": int(steps),
+        "drafting_share": round(drafts / steps, 4),
+        "draft_tokens": int(delta["draft_tokens"]),
+        "accepted_tokens": int(delta["accepted_tokens"]),
+        "acceptance_rate": round(delta["accepted_tokens"] / delta["draft_tokens"], 4) if delta["draft_tokens"] else 0.0,
+        "mean_acceptance_length": round(1 + delta["accepted_tokens"] / drafts, 4) if drafts else 1.0,
+        "tokens_per_sequence_step": round(delta["generation_tokens"] / steps, 4),
+    }
+
+
+def requests_for(concurrency: int) -> int:
+    """Requests of a level when none are given: four per client, at least eight (guidellm's usual profile)."""
+    return max(8, 4 * concurrency)
+
+
+def sweep(
+    base_url: str,
+    model: str,
+    prompts: Sequence[str],
+    concurrencies: Sequence[int],
+    max_tokens: int,
+    requests: int | None = None,
+    warmup: int = 1,
+    on_level: Callable[[LoadReport], None] | None = None,
+    **options: Any,
+) -> list[LoadReport]:
+    """One level of :func:`run_load` per concurrency, one after the other, each after ``warmup`` unmeasured
+    requests (the first level only); speculation counters are read around each level."""
+    if warmup:
+        asyncio.run(run_load(base_url, model, prompts, warmup, 1, max_tokens, **options))
+    reports = []
+    for concurrency in concurrencies:
+        before = read_speculation_counters(base_url)
+        count = requests if requests is not None else requests_for(concurrency)
+        report = asyncio.run(run_load(base_url, model, prompts, count, concurrency, max_tokens, **options))
+        report.speculation = speculation_between(before, read_speculation_counters(base_url))
+        reports.append(report)
+        if on_level is not None:
+            on_level(report)
+    return reports
+
+
+def synthetic_prompts(tokenizer: Any, texts: Sequence[str], count: int, prompt_tokens: int) -> list[str]:
+    """``count`` prompts of about ``prompt_tokens`` tokens each: distinct windows of the token stream of ``texts``
+    (real text, as guidellm's synthetic data cuts a corpus), decoded back to text."""
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer.encode(text, add_special_tokens=False))
+    if not stream:
+        raise ValueError("no text to cut prompts from")
+    while len(stream) < prompt_tokens + count:
+        stream = stream + stream
+    stride = max(1, (len(stream) - prompt_tokens) // count)
+    return [tokenizer.decode(stream[index * stride : index * stride + prompt_tokens]) for index in range(count)]
+
+
+def write_results(path: str | Path, label: str, settings: Mapping[str, Any], reports: Sequence[LoadReport]) -> Path:
+    """The run as JSON: its label, settings and one record per level (``draftwise loadtest --compare`` reads it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"label": label, "settings": dict(settings),
+                                "levels": [report.summary() for report in reports]}, indent=1))
+    return path
+
+
+def read_results(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
+    """The label and levels of a results file written by :func:`write_results`."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "levels" not in data:
+        raise ValueError(f"{path} is not a loadtest results file")
+    return str(data.get("label") or Path(path).stem), list(data["levels"])

@@ -1,0 +1,79 @@
+"""The server driven by guidellm, the vLLM project's load tool, as users run it: its OpenAI HTTP backend with its
+own defaults (vLLM's request extensions, streaming with continuous usage statistics, fixed output lengths through
+``ignore_eos``), on the default preset. Every request must succeed, carry exactly the asked number of tokens, and,
+greedy, equal ``draftwise.generate``'s answer for the same request. Slow (a real model), and run in CI too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from servers import RunningServer
+
+import draftwise
+from draftwise.models import resolve_checkpoint
+from draftwise.serve import ServingEngine
+
+pytestmark = pytest.mark.slow
+
+PROMPT_TOKENS = 48
+OUTPUT_TOKENS = 12
+REQUESTS = 4
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    torch.set_num_threads(2)
+    return draftwise.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def server(smollm):
+    model, tokenizer = smollm
+    running = RunningServer(ServingEngine(model, tokenizer, "pld", max_batch=4, max_prefill_rows=256),
+                            model="smollm2-135m")
+    yield running
+    running.stop()
+
+
+def run_guidellm(url: str, stream: bool, output: str) -> dict:
+    backend = {"kind": "openai_http", "target": url, "stream": stream, "extras": {"body": {"temperature": 0}}}
+    command = [
+        sys.executable, "-m", "guidellm", "run",
+        "--backend", json.dumps(backend),
+        "--profile", "kind=concurrent,streams=2",
+        "--constraint", f"kind=max_requests,count={REQUESTS}",
+        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+        "--tokenizer", f"kind=huggingface_auto,model={resolve_checkpoint('smollm2-135m', progress=False)}",
+        "--output", f"kind=json,path={output}",
+        "--disable-console",
+    ]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    with open(output) as handle:
+        return json.load(handle)["benchmarks"][0]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
+def test_guidellm_runs_without_errors_and_gets_generates_answers(server, smollm, tmp_path, stream):
+    benchmark = run_guidellm(server.base, stream, str(tmp_path / "guidellm.json"))
+    requests = benchmark["requests"]
+    assert not requests["errored"] and not requests["incomplete"], requests["errored"][:1]
+    assert len(requests["successful"]) == REQUESTS
+    metrics = benchmark["metrics"]
+    assert metrics["output_tokens_per_second"]["successful"]["mean"] > 0
+    if stream:
+        assert metrics["time_to_first_token_ms"]["successful"]["median"] > 0
+    model, tokenizer = smollm
+    for request in requests["successful"]:
+        assert request["output_tokens"] == OUTPUT_TOKENS  # guidellm's ignore_eos: exactly the asked length
+        arguments = request["request_args"]
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        content = arguments["body"]["messages"][0]["content"]
+        text = content if isinstance(content, str) else "".join(part["text"] for part in content)
+        expected = draftwise.generate(model, tokenizer, [{"role": "user", "content": text}], method="ar",
+                                      max_new_tokens=OUTPUT_TOKENS, ignore_eos=True)
+        assert request["output"] == expected.text

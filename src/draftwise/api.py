@@ -10,6 +10,7 @@ from .backend.target import Target, as_target
 from .decoding.batch import DEFAULT_MAX_BATCH, Scheduler
 from .decoding.engine import DEFAULT_BUDGET, Decoder, FinishReason, SequenceState
 from .decoding.latency import LatencyModel
+from .decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .decoding.sampling import SamplingParams
 from .decoding.stats import GenerationStats
 from .drafters import Drafter, make_drafter
@@ -49,6 +50,8 @@ class GenerationResult:
         finish_reason: ``"eos"``, ``"stop"`` or ``"length"``.
         stats: steps, MAT, acceptance, tokens/s, time to first token (see :mod:`draftwise.stats`).
         method: the decoding method used.
+        logprobs: with ``logprobs=k``, each generated token's log-probability and its ``k`` most likely
+            alternatives (the model's raw distribution: plain decoding's, whatever was drafted).
     """
 
     text: str
@@ -57,6 +60,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     method: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
     def summary(self) -> dict[str, Any]:
         """The method, why generation ended and the main statistics, rounded, as JSON-ready values."""
@@ -246,6 +250,7 @@ def stream(
     sampling: SamplingParams | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     ignore_eos: bool = False,
+    logprobs: int | None = None,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted (for a
@@ -257,7 +262,8 @@ def stream(
     """
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
-                                       chat_template, budget, method_options, sampling, options, ignore_eos)
+                                       chat_template, budget, method_options, sampling, options, ignore_eos,
+                                       logprobs)
 
     def pieces() -> Iterator[Any]:
         texts = [SettledText(request.tokenizer, request.stops) for request in requests]
@@ -285,6 +291,7 @@ def generate(
     sampling: SamplingParams | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     ignore_eos: bool = False,
+    logprobs: int | None = None,
     **options: Any,
 ) -> GenerationResult | list[GenerationResult]:
     """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
@@ -314,6 +321,9 @@ def generate(
             prompt's tokens are the ones it gets decoded alone.
         ignore_eos: go on past end-of-sequence tokens up to ``max_new_tokens`` (fixed-length runs, as vLLM's
             ``ignore_eos``); stop sequences still end generation.
+        logprobs: keep each generated token's log-probability with this many alternatives (0 to 20) in
+            ``result.logprobs``: log-softmax of the raw logits in float32 (before temperature and the other sampling
+            options), from the verification row that decided the token, so exactly plain decoding's.
         **options: sampling options with transformers' meanings: ``temperature`` (0 = greedy, the default),
             ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``, ``do_sample``. Sampling output has
             exactly the distribution of plain sampling with the same options; with a fixed ``seed`` every token is
@@ -331,7 +341,8 @@ def generate(
     """
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
-                                       chat_template, budget, method_options, sampling, options, ignore_eos)
+                                       chat_template, budget, method_options, sampling, options, ignore_eos,
+                                       logprobs)
     for _ in _decode(target, requests, budget, latency, max_batch, holder):
         pass
     return holder["results"] if batch else holder["results"][0]
@@ -347,6 +358,7 @@ class _Request:
     stops: StopSequences | None
     eos: list[int] = field(default_factory=list)
     sampling: SamplingParams | None = None
+    logprobs: int | None = None
 
 
 def make_sampling(sampling: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:
@@ -402,8 +414,11 @@ def _batch_of(prompt: Any, prompt_ids: Any) -> tuple[list[Any], list[Any], bool]
 
 
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-             method_options, sampling, options, ignore_eos) -> tuple[Target, list[_Request], bool]:
+             method_options, sampling, options, ignore_eos, logprobs) -> tuple[Target, list[_Request], bool]:
     prompts, ids_list, batch = _batch_of(prompt, prompt_ids)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidRequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
     sampling = make_sampling(sampling, options)
     target = as_target(model)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -426,6 +441,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
             stops=StopSequences(tokenizer, stops) if stops else None,
             eos=eos,
             sampling=sampling,
+            logprobs=logprobs,
         ))
     return target, requests, batch
 
@@ -450,6 +466,7 @@ def _decode(
             eos_token_ids=request.eos,
             is_stopped=request.stops,
             sampling=request.sampling,
+            logprobs=request.logprobs,
         )
         for request in requests
     ]
@@ -472,6 +489,7 @@ def _result(request: _Request, state: SequenceState) -> GenerationResult:
         finish_reason=state.finish_reason or FinishReason.LENGTH,
         stats=state.stats,
         method=request.method,
+        logprobs=list(state.token_logprobs) if request.logprobs is not None else None,
     )
 
 

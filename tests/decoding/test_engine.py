@@ -228,3 +228,20 @@ def test_logprobs_are_the_models_distribution_and_the_same_whatever_is_drafted(t
         assert abs(entry.logprob - float(row[entry.token])) < 1e-4
         assert [token for token, _ in entry.top] == row.topk(4).indices.tolist()
         assert all(first >= second for (_, first), (_, second) in zip(entry.top, entry.top[1:]))
+
+
+def test_generate_returns_the_log_probabilities_of_plain_decoding(tiny_qwen2, tmp_path):
+    target = planned(tiny_qwen2, tmp_path)
+    prompts = [repetitive_prompt(random.Random(seed), low=30, high=40) for seed in (5, 6)]
+    plain = draftwise.generate(target, None, prompt_ids=prompts, method="ar", max_new_tokens=20, logprobs=2)
+    drafted = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=20, logprobs=2)
+    assert sum(result.stats.accepted_tokens for result in drafted) > 0
+    for plain_result, drafted_result in zip(plain, drafted):
+        assert drafted_result.logprobs == plain_result.logprobs  # exact floats
+        assert [entry.token for entry in plain_result.logprobs] == plain_result.token_ids
+        assert all(len(entry.top) == 2 for entry in plain_result.logprobs)
+    assert draftwise.generate(target, None, prompt_ids=prompts[0], method="ar", max_new_tokens=4).logprobs is None
+    for bad in (-1, 21, 2.5, True):
+        with pytest.raises(draftwise.InvalidRequestError, match="logprobs"):
+            draftwise.generate(target, None, prompt_ids=prompts[0], max_new_tokens=4, logprobs=bad)
+

@@ -547,7 +547,8 @@ def _print_load_table(runs: dict[str, list[dict]]) -> None:
                 number(itl.get("median")), number(tpot.get("median")), number(latency.get("median"), 2),
                 number(latency.get("p99"), 2),
                 f"{speculation['drafting_share']:.0%}" if "drafting_share" in speculation else "-",
-                number(speculation.get("mean_acceptance_length"), 2), number(speculation.get("tokens_per_sequence_step"), 2),
+                number(speculation.get("mean_acceptance_length"), 2),
+                number(speculation.get("tokens_per_sequence_step"), 2),
             )
     # Piped to a file the table keeps every column whole (rich would cut it to 80 characters).
     Console(width=None if sys.stdout.isatty() else 180).print(table)
@@ -558,8 +559,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from .serve.load import read_results, requests_for, sweep, write_results
 
     levels = _concurrency_levels(args)
-    if min(levels) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1:
-        raise InvalidRequestError("--requests, --concurrency/--sweep and --max-tokens must be positive")
+    if min(levels) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1 \
+            or args.per_client < 1:
+        raise InvalidRequestError("--requests, --per-client, --concurrency/--sweep and --max-tokens must be positive")
     if args.prompt_tokens < 1 or args.warmup < 0:
         raise InvalidRequestError("--prompt-tokens must be positive and --warmup at least 0")
     compared = {}
@@ -569,7 +571,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as error:
             raise InvalidRequestError(f"--compare {path}: {error}") from None
         compared[label] = compared_levels
-    prompts = _loadtest_prompts(args, max(args.requests or 0, *(requests_for(level) for level in levels)))
+    most_requests = max(args.requests or 0, *(requests_for(level, args.per_client) for level in levels))
+    prompts = _loadtest_prompts(args, most_requests)
     label = args.label or args.url
     synthetic = args.data == "synthetic"
 
@@ -580,8 +583,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
               file=sys.stderr)
 
     reports = sweep(args.url, args.model, prompts, levels, args.max_tokens, requests=args.requests,
-                    warmup=args.warmup, on_level=progress, chat=not args.completions, stream=not args.no_stream,
-                    ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature)
+                    per_client=args.per_client, warmup=args.warmup, on_level=progress, chat=not args.completions,
+                    stream=not args.no_stream, ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature)
     settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
                 "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,
                 "ignore_eos": synthetic or args.ignore_eos, "temperature": args.temperature,
@@ -778,7 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 16)")
     loadtest.add_argument("--sweep", nargs="?", const="", default=None, metavar="C1,C2,...",
                           help="one level per concurrency, one after the other (default 1,4,16)")
-    loadtest.add_argument("--requests", type=int, default=None, help="requests per level (default 4 per client, at least 8)")
+    loadtest.add_argument("--requests", type=int, default=None, help="requests per level (default: --per-client)")
+    loadtest.add_argument("--per-client", type=int, default=4,
+                          help="without --requests: requests per concurrent client, at least twice this many per level")
     loadtest.add_argument("--max-tokens", "--output-tokens", dest="max_tokens", type=int, default=128,
                           help="tokens per answer (synthetic data: exactly this many, with ignore_eos)")
     loadtest.add_argument("--data", default="spec-bench", choices=["spec-bench", "synthetic"],

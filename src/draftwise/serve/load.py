@@ -270,9 +270,13 @@ def speculation_between(before: Mapping[str, float] | None, after: Mapping[str, 
     }
 
 
-def requests_for(concurrency: int) -> int:
-    """Requests of a level when none are given: four per client, at least eight (guidellm's usual profile)."""
-    return max(8, 4 * concurrency)
+#: Requests per concurrent client in a level when no count is given (guidellm's usual profile: 8 at 1, 64 at 16).
+DEFAULT_REQUESTS_PER_CLIENT = 4
+
+
+def requests_for(concurrency: int, per_client: int = DEFAULT_REQUESTS_PER_CLIENT) -> int:
+    """Requests of a level when none are given: ``per_client`` per client, at least twice that many."""
+    return per_client * max(2, concurrency)
 
 
 def sweep(
@@ -282,18 +286,19 @@ def sweep(
     concurrencies: Sequence[int],
     max_tokens: int,
     requests: int | None = None,
+    per_client: int = DEFAULT_REQUESTS_PER_CLIENT,
     warmup: int = 1,
     on_level: Callable[[LoadReport], None] | None = None,
     **options: Any,
 ) -> list[LoadReport]:
-    """One level of :func:`run_load` per concurrency, one after the other, each after ``warmup`` unmeasured
-    requests (the first level only); speculation counters are read around each level."""
+    """One level of :func:`run_load` per concurrency, one after the other (``requests`` each, or ``per_client`` per
+    concurrent client), after ``warmup`` unmeasured requests; speculation counters are read around each level."""
     if warmup:
         asyncio.run(run_load(base_url, model, prompts, warmup, 1, max_tokens, **options))
     reports = []
     for concurrency in concurrencies:
         before = read_speculation_counters(base_url)
-        count = requests if requests is not None else requests_for(concurrency)
+        count = requests if requests is not None else requests_for(concurrency, per_client)
         report = asyncio.run(run_load(base_url, model, prompts, count, concurrency, max_tokens, **options))
         report.speculation = speculation_between(before, read_speculation_counters(base_url))
         reports.append(report)

@@ -571,6 +571,15 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as error:
             raise InvalidRequestError(f"--compare {path}: {error}") from None
         compared[label] = compared_levels
+    if args.no_run:
+        if not compared:
+            raise InvalidRequestError("--no-run shows --compare results: give some")
+        _print_load_table(compared)
+        if args.plot:
+            from .bench.plots import load_chart
+
+            load_chart(compared, args.plot)
+        return 0
     most_requests = max(args.requests or 0, *(requests_for(level, args.per_client) for level in levels))
     prompts = _loadtest_prompts(args, most_requests)
     label = args.label or args.url
@@ -803,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument("--plot", default=None, help="PNG chart: output tok/s, TTFT and ITL against concurrency")
     loadtest.add_argument("--compare", nargs="*", default=[], metavar="RESULTS.json",
                           help="earlier --json results (other servers) shown beside this run")
+    loadtest.add_argument("--no-run", action="store_true", help="send nothing: only the table (and --plot) of --compare")
     loadtest.set_defaults(handler=cmd_loadtest)
     return parser
 

@@ -426,6 +426,7 @@ def test_engine_rejects_what_it_cannot_serve(target):
     (["loadtest", "--sweep", "1,x"], "--sweep takes"),
     (["loadtest", "--sweep", "1,4", "--concurrency", "2"], "not both"),
     (["loadtest", "--compare", "/no/such/results.json"], "--compare"),
+    (["loadtest", "--no-run"], "--no-run shows"),
     (["serve", "--ray", "--autoscale", "2"], "--autoscale takes MIN,MAX"),
     (["serve", "--ray", "--autoscale", "3,1"], "autoscale needs"),
     (["serve", "--ray", "--replicas", "0"], "replicas must be at least 1"),
@@ -508,3 +509,5 @@ def test_loadtest_command_writes_results_a_chart_and_compares(server, tmp_path, 
     table = capsys.readouterr().out
     assert "first" in table and "second" in table and "TTFT" in table
     assert chart.stat().st_size > 10_000
+    assert cli.main(["loadtest", "--no-run", "--compare", str(tmp_path / "first.json")]) == 0
+    assert "first" in capsys.readouterr().out

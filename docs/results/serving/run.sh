@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Serving under load, one server after the other on this machine: draftwise (ar, pld), vLLM's CPU server and
+# llama.cpp's server, each swept over 1, 4 and 16 concurrent clients by `draftwise loadtest` on guidellm's synthetic
+# profile (256-token prompts, exactly 128 output tokens) and on Spec-Bench questions (up to 128 tokens, greedy).
+#   bash docs/results/serving/run.sh [OUT]
+# The anchors start from the commands in $VLLM_SERVER and $LLAMACPP_SERVER (a script taking the port; see README.md
+# here); a server whose command is unset is left out.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
+out="${1:-docs/results/serving}"
+mkdir -p "$out"
+export PATH="$PWD/.venv/bin:$PATH"
+levels="${LEVELS:-1,4,16}"
+per_client="${PER_CLIENT:-2}"
+
+wait_for() {  # the server's /health, up to 10 minutes
+    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/health" > /dev/null && return 0; sleep 2; done
+    echo "server on port $1 did not start" >&2; return 1
+}
+
+measure() {  # label port data...
+    local label="$1" port="$2"; shift 2
+    for data in "$@"; do
+        local extra=()
+        [ "$data" = synthetic ] && extra=(--data synthetic --prompt-tokens 256)
+        draftwise loadtest --url "http://127.0.0.1:$port/v1" --model smollm2-135m --sweep "$levels" \
+            --per-client "$per_client" --max-tokens 128 "${extra[@]}" --label "$label" \
+            --json "$out/$data-${label// /-}.json" || true
+    done
+}
+
+run_server() {  # label port datasets command...
+    local label="$1" port="$2" datasets="$3"; shift 3
+    setsid "$@" > "$out/server-${label// /-}.log" 2>&1 &
+    local pid=$!
+    if wait_for "$port"; then measure "$label" "$port" $datasets; fi
+    kill -- -"$pid" 2> /dev/null || kill "$pid" 2> /dev/null || true
+    sleep 5
+}
+
+for method in ar pld; do
+    run_server "draftwise $method" 8200 "synthetic spec-bench" \
+        draftwise serve --model smollm2-135m --method "$method" --max-batch 16 --port 8200 --log-level warning
+done
+[ -n "${VLLM_SERVER:-}" ] && run_server "vLLM CPU" 8300 "synthetic spec-bench" "$VLLM_SERVER" 8300
+[ -n "${LLAMACPP_SERVER:-}" ] && run_server "llama.cpp" 8301 "synthetic" "$LLAMACPP_SERVER" 8301
+
+for data in synthetic spec-bench; do
+    files=("$out/$data"-*.json)
+    draftwise loadtest --no-run --compare "${files[@]}" --plot "$out/$data.png" | tee "$out/$data.txt"
+done

@@ -580,6 +580,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
             load_chart(compared, args.plot)
         return 0
+    try:
+        extra_body = json.loads(args.extra_body) if args.extra_body else None
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(f"--extra-body is not JSON: {error}") from None
+    if extra_body is not None and not isinstance(extra_body, dict):
+        raise InvalidRequestError("--extra-body must be a JSON object")
     most_requests = max(args.requests or 0, *(requests_for(level, args.per_client) for level in levels))
     prompts = _loadtest_prompts(args, most_requests)
     label = args.label or args.url
@@ -593,11 +599,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
     reports = sweep(args.url, args.model, prompts, levels, args.max_tokens, requests=args.requests,
                     per_client=args.per_client, warmup=args.warmup, on_level=progress, chat=not args.completions,
-                    stream=not args.no_stream, ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature)
+                    stream=not args.no_stream, ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature,
+                    extra_body=extra_body)
     settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
                 "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,
                 "ignore_eos": synthetic or args.ignore_eos, "temperature": args.temperature,
-                "endpoint": "completions" if args.completions else "chat"}
+                "endpoint": "completions" if args.completions else "chat", "extra_body": extra_body}
     if args.json:
         write_results(args.json, label, settings, reports)
     runs = {label: [report.summary() for report in reports], **compared}
@@ -806,6 +813,8 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument("--completions", action="store_true", help="text completions instead of chat")
     loadtest.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     loadtest.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    loadtest.add_argument("--extra-body", default=None, metavar="JSON",
+                          help="more fields for every request, e.g. a server's own options")
     loadtest.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the first level")
     loadtest.add_argument("--label", default=None, help="the server's name in tables and charts (default: --url)")
     loadtest.add_argument("--json", default=None, help="write the levels here (read back by --compare)")

@@ -13,37 +13,41 @@ export PATH="$PWD/.venv/bin:$PATH"
 levels="${LEVELS:-1,4,16}"
 per_client="${PER_CLIENT:-2}"
 
-wait_for() {  # the server's /health, up to 10 minutes
-    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/health" > /dev/null && return 0; sleep 2; done
+wait_for() {  # the server's model list (llama.cpp's server has no /health), up to 10 minutes
+    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null && return 0; sleep 2; done
     echo "server on port $1 did not start" >&2; return 1
 }
 
-measure() {  # label port data...
-    local label="$1" port="$2"; shift 2
+measure() {  # label port extra-body data...
+    local label="$1" port="$2" body="$3"; shift 3
     for data in "$@"; do
         local extra=()
         [ "$data" = synthetic ] && extra=(--data synthetic --prompt-tokens 256)
+        [ -n "$body" ] && extra+=(--extra-body "$body")
         draftwise loadtest --url "http://127.0.0.1:$port/v1" --model smollm2-135m --sweep "$levels" \
             --per-client "$per_client" --max-tokens 128 "${extra[@]}" --label "$label" \
             --json "$out/$data-${label// /-}.json" || true
     done
 }
 
-run_server() {  # label port datasets command...
-    local label="$1" port="$2" datasets="$3"; shift 3
+run_server() {  # label port extra-body datasets command...
+    local label="$1" port="$2" body="$3" datasets="$4"; shift 4
     setsid "$@" > "$out/server-${label// /-}.log" 2>&1 &
     local pid=$!
-    if wait_for "$port"; then measure "$label" "$port" $datasets; fi
+    if wait_for "$port"; then measure "$label" "$port" "$body" $datasets; fi
     kill -- -"$pid" 2> /dev/null || kill "$pid" 2> /dev/null || true
     sleep 5
 }
 
 for method in ar pld; do
-    run_server "draftwise $method" 8200 "synthetic spec-bench" \
+    run_server "draftwise $method" 8200 "" "synthetic spec-bench" \
         draftwise serve --model smollm2-135m --method "$method" --max-batch 16 --port 8200 --log-level warning
 done
-[ -n "${VLLM_SERVER:-}" ] && run_server "vLLM CPU" 8300 "synthetic spec-bench" "$VLLM_SERVER" 8300
-[ -n "${LLAMACPP_SERVER:-}" ] && run_server "llama.cpp" 8301 "synthetic" "$LLAMACPP_SERVER" 8301
+if [ -n "${VLLM_SERVER:-}" ]; then run_server "vLLM CPU" 8300 "" "synthetic spec-bench" "$VLLM_SERVER" 8300; fi
+# llama.cpp's server ignores ignore_eos: a ban on its end-of-turn token (id 2) keeps answers to length.
+if [ -n "${LLAMACPP_SERVER:-}" ]; then
+    run_server "llama.cpp" 8301 '{"logit_bias": {"2": -100}}' "synthetic" "$LLAMACPP_SERVER" 8301
+fi
 
 for data in synthetic spec-bench; do
     files=("$out/$data"-*.json)

@@ -139,6 +139,7 @@ async def run_load(
     stream: bool = True,
     ignore_eos: bool = False,
     temperature: float = 0.0,
+    extra_body: Mapping[str, Any] | None = None,
     timeout_s: float = 600.0,
 ) -> LoadReport:
     """Send ``requests`` requests (prompt ``i % len(prompts)``), at most ``concurrency`` at once.
@@ -150,6 +151,7 @@ async def run_load(
         stream: streaming requests (TTFT and ITL are measured only then).
         ignore_eos: ask for exactly ``max_tokens`` tokens (vLLM's ``ignore_eos``, as guidellm sends for fixed
             output lengths).
+        extra_body: more fields for every request's body (a server's own options).
     """
     from openai import AsyncOpenAI
 
@@ -159,8 +161,9 @@ async def run_load(
     options: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
     if stream:
         options["stream_options"] = {"include_usage": True}
-    if ignore_eos:
-        options["extra_body"] = {"ignore_eos": True}
+    body = {**({"ignore_eos": True} if ignore_eos else {}), **(extra_body or {})}
+    if body:
+        options["extra_body"] = body
 
     async def one(index: int) -> None:
         prompt = prompts[index % len(prompts)]

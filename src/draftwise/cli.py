@@ -528,7 +528,7 @@ def _print_load_table(runs: dict[str, list[dict]]) -> None:
     from rich.table import Table
 
     table = Table(title="load test (guidellm's metrics: TTFT, ITL, TPOT in ms; request latency in s)")
-    for column in ("server", "concurrency", "ok", "errors", "output tok/s", "req/s", "TTFT p50", "TTFT p99",
+    for column in ("server", "concurrency", "ok", "failed", "output tok/s", "req/s", "TTFT p50", "TTFT p99",
                    "ITL p50", "TPOT p50", "latency p50", "latency p99", "drafting", "MAL", "tok/step"):
         table.add_column(column, justify="left" if column == "server" else "right")
 
@@ -542,7 +542,8 @@ def _print_load_table(runs: dict[str, list[dict]]) -> None:
             tpot, latency = metrics["time_per_output_token_ms"] or {}, metrics["request_latency"] or {}
             table.add_row(
                 label, str(level["concurrency"]), str(metrics["request_totals"]["successful"]),
-                str(metrics["request_totals"]["errored"]), number(metrics["output_tokens_per_second"], 2),
+                str(metrics["request_totals"]["errored"] + metrics["request_totals"].get("incomplete", 0)),
+                number(metrics["output_tokens_per_second"], 2),
                 number(metrics["requests_per_second"], 3), number(ttft.get("median"), 0), number(ttft.get("p99"), 0),
                 number(itl.get("median")), number(tpot.get("median")), number(latency.get("median"), 2),
                 number(latency.get("p99"), 2),
@@ -593,8 +594,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
     def progress(report) -> None:
         metrics = report.metrics()
-        print(f"concurrency {report.concurrency}: {metrics['request_totals']['successful']} ok, "
-              f"{metrics['request_totals']['errored']} errors, {metrics['output_tokens_per_second']:.2f} output tok/s",
+        totals = metrics["request_totals"]
+        print(f"concurrency {report.concurrency}: {totals['successful']} ok, {totals['errored']} errors, "
+              f"{totals['incomplete']} incomplete, {metrics['output_tokens_per_second']:.2f} output tok/s",
               file=sys.stderr)
 
     reports = sweep(args.url, args.model, prompts, levels, args.max_tokens, requests=args.requests,
@@ -614,9 +616,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
         load_chart(runs, args.plot)
     for report in reports:
-        for error in report.errors[:5]:
+        for error in report.errors[:5] + report.incomplete[:5]:
             print(error, file=sys.stderr)
-    return 1 if any(report.errors for report in reports) else 0
+    return 1 if any(report.errors or report.incomplete for report in reports) else 0
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:

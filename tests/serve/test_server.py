@@ -473,7 +473,7 @@ def test_a_sweep_measures_each_level_with_guidellms_metrics(server, stream):
     for report in reports:
         metrics = report.metrics()
         assert not report.errors, report.errors[:3]
-        assert metrics["request_totals"] == {"successful": 6, "errored": 0}
+        assert metrics["request_totals"] == {"successful": 6, "errored": 0, "incomplete": 0}
         assert metrics["output_token_count"] == 6 * 12  # ignore_eos: exactly max_tokens each
         assert metrics["output_tokens_per_second"] > 0 and metrics["request_latency"]["median"] > 0
         assert metrics["time_per_output_token_ms"]["median"] > 0

@@ -3,8 +3,9 @@
 # llama.cpp's server, each swept over 1, 4 and 16 concurrent clients by `draftwise loadtest` on guidellm's synthetic
 # profile (256-token prompts, exactly 128 output tokens) and on Spec-Bench questions (up to 128 tokens, greedy).
 #   bash docs/results/serving/run.sh [OUT]
-# The anchors start from the commands in $VLLM_SERVER and $LLAMACPP_SERVER (a script taking the port; see README.md
-# here); a server whose command is unset is left out.
+# The anchors start from the commands in $VLLM_SERVER and $LLAMACPP_SERVER (scripts taking the port, then more flags
+# for `python -m vllm.entrypoints.openai.api_server` / `python -m llama_cpp.server`; see README.md here); a server
+# whose command is unset is left out. SERVERS limits the run to some of "ar pld vllm llamacpp".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 out="${1:-docs/results/serving}"
@@ -39,14 +40,18 @@ run_server() {  # label port extra-body datasets command...
     sleep 5
 }
 
+servers="${SERVERS:-ar pld vllm llamacpp}"
 for method in ar pld; do
+    [[ " $servers " == *" $method "* ]] || continue
     run_server "draftwise $method" 8200 "" "synthetic spec-bench" \
         draftwise serve --model smollm2-135m --method "$method" --max-batch 16 --port 8200 --log-level warning
 done
-if [ -n "${VLLM_SERVER:-}" ]; then run_server "vLLM CPU" 8300 "" "synthetic spec-bench" "$VLLM_SERVER" 8300; fi
+if [ -n "${VLLM_SERVER:-}" ] && [[ " $servers " == *" vllm "* ]]; then run_server "vLLM CPU" 8300 "" "synthetic spec-bench" "$VLLM_SERVER" 8300; fi
 # llama.cpp's server ignores ignore_eos: a ban on its end-of-turn token (id 2) keeps answers to length.
-if [ -n "${LLAMACPP_SERVER:-}" ]; then
-    run_server "llama.cpp" 8301 '{"logit_bias": {"2": -100}}' "synthetic" "$LLAMACPP_SERVER" 8301
+if [ -n "${LLAMACPP_SERVER:-}" ] && [[ " $servers " == *" llamacpp "* ]]; then
+    # Its server stops the answer in progress when another request arrives unless told not to.
+    run_server "llama.cpp" 8301 '{"logit_bias": {"2": -100}}' "synthetic" "$LLAMACPP_SERVER" 8301 \
+        --interrupt_requests False
 fi
 
 for data in synthetic spec-bench; do

@@ -9,7 +9,8 @@ The metrics carry guidellm's names and definitions, so a run here reads like a g
 - ``inter_token_latency_ms`` (ITL): (last token - first token) / (output tokens - 1) (streaming only);
 - ``time_per_output_token_ms`` (TPOT): (last token - start) / output tokens, the first token included;
 - ``output_tokens_per_second``: output tokens of the successful requests over the level's wall time;
-- ``requests_per_second``, ``request_totals`` (successful, errored).
+- ``requests_per_second``, ``request_totals`` (successful, errored, and incomplete: with ``ignore_eos``, answers
+  shorter than asked, which a server cut short).
 
 Output tokens are the server's ``usage.completion_tokens`` (streams ask for the usage chunk), else the chunks with
 text. Against a draftwise server each level also reads the speculation counters of ``/metrics`` before and after it:
@@ -84,6 +85,7 @@ class LoadReport:
     stream: bool = True
     records: list[RequestRecord] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)  # fixed-length requests answered short
     mismatches: list[int] = field(default_factory=list)
     duration_s: float = 0.0
     speculation: dict[str, float] | None = None
@@ -103,7 +105,8 @@ class LoadReport:
             return [value for record in self.records if (value := getattr(record, name)) is not None]
 
         return {
-            "request_totals": {"successful": len(self.records), "errored": len(self.errors)},
+            "request_totals": {"successful": len(self.records), "errored": len(self.errors),
+                               "incomplete": len(self.incomplete)},
             "requests_per_second": round(len(self.records) / self.duration_s, 4) if self.duration_s > 0 else 0.0,
             "output_tokens_per_second": round(self.output_tokens_per_second, 3),
             "output_token_count": self.output_tokens,
@@ -203,6 +206,9 @@ async def run_load(
                 return
             end = time.perf_counter()
             tokens = usage_tokens if usage_tokens is not None else chunks_with_text
+            if ignore_eos and tokens < max_tokens:  # (a server that cut the answer short: guidellm's "incomplete")
+                report.incomplete.append(f"request {index}: {tokens} of {max_tokens} tokens")
+                return
             report.records.append(RequestRecord(start, end, tokens, first, last))
             if expected is not None and "".join(pieces) != expected[index % len(prompts)]:
                 report.mismatches.append(index)

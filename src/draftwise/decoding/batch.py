@@ -2,8 +2,9 @@
 one forward per step.
 
 With ``max_prefill_rows`` set (the server sets it), prompts are prefilled in that same forward where the target
-allows it (``Target.chunked_prefill``): each step takes at most ``max_prefill_rows`` prompt rows, oldest prompt first, so a long prompt is prefilled in pieces over several
-steps while the running sequences go on decoding, and several short prompts share one forward. Every piece's rows
+allows it (``Target.chunked_prefill``): each step takes at most ``max_prefill_rows`` prompt rows, oldest prompt
+first, so a long prompt is prefilled in pieces over several steps while the running sequences go on decoding, and
+several short prompts share one forward. Every piece's rows
 are bitwise the rows of the same prompt prefilled alone. Otherwise a newly admitted prompt is prefilled whole, in
 its own forward, in the step that admits it.
 

@@ -557,7 +557,7 @@ def _print_load_table(runs: dict[str, list[dict]]) -> None:
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
     """Load test a running server at one concurrency or a sweep of them; table, JSON and chart."""
-    from .serve.load import read_results, requests_for, sweep, write_results
+    from .serve.load import read_results
 
     levels = _concurrency_levels(args)
     if min(levels) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1 \
@@ -572,15 +572,29 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as error:
             raise InvalidRequestError(f"--compare {path}: {error}") from None
         compared[label] = compared_levels
+    reports = []
     if args.no_run:
         if not compared:
             raise InvalidRequestError("--no-run shows --compare results: give some")
-        _print_load_table(compared)
-        if args.plot:
-            from .bench.plots import load_chart
+        runs = compared
+    else:
+        reports = _run_loadtest(args, levels)
+        runs = {args.label or args.url: [report.summary() for report in reports], **compared}
+    _print_load_table(runs)
+    if args.plot:
+        from .bench.plots import load_chart
 
-            load_chart(compared, args.plot)
-        return 0
+        load_chart(runs, args.plot)
+    for report in reports:
+        for error in report.errors[:5] + report.incomplete[:5]:
+            print(error, file=sys.stderr)
+    return 1 if any(report.errors or report.incomplete for report in reports) else 0
+
+
+def _run_loadtest(args: argparse.Namespace, levels: list[int]) -> list:
+    """``draftwise loadtest``'s levels against the server (their JSON written when asked)."""
+    from .serve.load import requests_for, sweep, write_results
+
     try:
         extra_body = json.loads(args.extra_body) if args.extra_body else None
     except json.JSONDecodeError as error:
@@ -589,7 +603,6 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--extra-body must be a JSON object")
     most_requests = max(args.requests or 0, *(requests_for(level, args.per_client) for level in levels))
     prompts = _loadtest_prompts(args, most_requests)
-    label = args.label or args.url
     synthetic = args.data == "synthetic"
 
     def progress(report) -> None:
@@ -603,22 +616,13 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                     per_client=args.per_client, warmup=args.warmup, on_level=progress, chat=not args.completions,
                     stream=not args.no_stream, ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature,
                     extra_body=extra_body)
-    settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
-                "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,
-                "ignore_eos": synthetic or args.ignore_eos, "temperature": args.temperature,
-                "endpoint": "completions" if args.completions else "chat", "extra_body": extra_body}
     if args.json:
-        write_results(args.json, label, settings, reports)
-    runs = {label: [report.summary() for report in reports], **compared}
-    _print_load_table(runs)
-    if args.plot:
-        from .bench.plots import load_chart
-
-        load_chart(runs, args.plot)
-    for report in reports:
-        for error in report.errors[:5] + report.incomplete[:5]:
-            print(error, file=sys.stderr)
-    return 1 if any(report.errors or report.incomplete for report in reports) else 0
+        settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
+                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,
+                    "ignore_eos": synthetic or args.ignore_eos, "temperature": args.temperature,
+                    "endpoint": "completions" if args.completions else "chat", "extra_body": extra_body}
+        write_results(args.json, args.label or args.url, settings, reports)
+    return reports
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The compiled linear product (blocked weights; float32 with AVX-512, bfloat16 with avx512_bf16): agreement with a float64 product, every row
+"""The compiled linear product (blocked weights; float32 and bfloat16 with AVX2 and FMA, or with AVX-512 (bfloat16 there
+with avx512_bf16)): agreement with a float64 product, every row
 bitwise its result alone (whatever else shares the call, at any thread count), bias and ragged output counts, and
 clear refusals."""
 
@@ -14,7 +15,7 @@ from draftwise.backend.weights.products import Linear, blocked_available
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.blocked_linear_dtypes(),
-                                reason="the blocked product needs the kernels built for a CPU with AVX-512")
+                                reason="the blocked product needs the kernels built for a CPU with AVX2 and FMA or AVX-512")
 DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(
     kernels is None or name not in kernels.blocked_linear_dtypes(), reason=f"no blocked {name} product here"))
     for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"))]

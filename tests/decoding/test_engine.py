@@ -233,8 +233,9 @@ def test_logprobs_are_the_models_distribution_and_the_same_whatever_is_drafted(t
 def test_generate_returns_the_log_probabilities_of_plain_decoding(tiny_qwen2, tmp_path):
     target = planned(tiny_qwen2, tmp_path)
     prompts = [repetitive_prompt(random.Random(seed), low=30, high=40) for seed in (5, 6)]
-    plain = draftwise.generate(target, None, prompt_ids=prompts, method="ar", max_new_tokens=20, logprobs=2)
-    drafted = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=20, logprobs=2)
+    # (40 tokens: room for the policy, which prices drafts with this machine's measured costs, to draft and hit)
+    plain = draftwise.generate(target, None, prompt_ids=prompts, method="ar", max_new_tokens=40, logprobs=2)
+    drafted = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=40, logprobs=2)
     assert sum(result.stats.accepted_tokens for result in drafted) > 0
     for plain_result, drafted_result in zip(plain, drafted):
         assert drafted_result.logprobs == plain_result.logprobs  # exact floats

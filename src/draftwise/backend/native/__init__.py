@@ -6,7 +6,8 @@ replaces (:mod:`draftwise.backend.forward.attention`) spends about 28 small oper
 thousand multiply-adds per row, and concatenates the caches of a batch at every layer. :func:`rms_norm`,
 :func:`rotate_queries_keys` and :func:`silu_mul` do the forward's row-wise steps in one call each, where torch
 takes three to eight operations whose fixed cost outweighs their arithmetic at a few rows. ``blocked_linear``
-(float32 on CPUs with AVX-512, bfloat16 with avx512_bf16, see :mod:`draftwise.backend.weights.products`) is the linear
+(float32 and bfloat16 on CPUs with AVX2 and FMA or AVX-512, bfloat16 there with avx512_bf16; see
+:mod:`draftwise.backend.weights.products`) is the linear
 products over weights packed once by ``pack_blocked_weight``; :func:`top_tokens` ranks the rows of logits (the
 greedy token, the top predictions some drafters keep) and :func:`sampling_probabilities` gives each row's
 sampling distribution (temperature, top-k, top-p and min-p by selection, not by sorting the vocabulary). Every

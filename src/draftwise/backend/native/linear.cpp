@@ -1,5 +1,6 @@
 // Linear products (y = x W^T + b) from weights packed once into tiles of 64 outputs, on CPUs with AVX-512: float32
-// weights (fused multiply-adds) and, with avx512_bf16, bfloat16 weights (vdpbf16ps).
+// weights (fused multiply-adds) and, with avx512_bf16, bfloat16 weights (vdpbf16ps); on CPUs with AVX2 and FMA (no
+// AVX-512), float32 and bfloat16 weights widened to float32 in registers (namespace avx2).
 //
 // Packed layout: (ceil(N / 64), K / e, 64, e), e = 2 for bfloat16 and 1 for float32: tile t holds outputs 64t ..
 // 64t + 63 (zero weights past N) and, for each step of e inputs, four 64-byte vectors of their weights, one per block
@@ -31,6 +32,8 @@ constexpr int64_t kBlock = 16;  // outputs per block: one register of float32 su
 constexpr int kBlocks = 4;      // blocks per tile of outputs
 constexpr int64_t kWidth = kBlocks * kBlock;
 constexpr int kMaxRows = 6;     // rows per tile: 6 x 4 sums, 4 weight vectors and a broadcast in 32 registers
+// Input steps of a chunk: 8 KB of weights (bfloat16 or float32), a few chunks in the first level of cache.
+constexpr int64_t kChunkSteps = 32;
 
 // The element types: how a step of inputs is broadcast, how sums are updated and how results are stored.
 struct Bfloat16Step {
@@ -173,8 +176,6 @@ void product(const typename Step::element* x, int64_t x_stride, int64_t rows, co
     });
 }
 
-// Input steps of a chunk: 8 KB of weights (bfloat16 or float32), a few chunks in the first level of cache.
-constexpr int64_t kChunkSteps = 32;
 // Up to this many rows run chunk by chunk (product_in_chunks); past it the arithmetic outweighs the reading, and the
 // sums' round trips through memory cost more than they save (measured, bfloat16, SmolLM2-135M's products streamed
 // from memory: chunked, 20-32 rows took 5-13% less time than one pass per tile of rows, 48-64 rows 2-4% more).
@@ -221,8 +222,190 @@ void product_in_chunks(const typename Step::element* x, int64_t x_stride, int64_
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// CPUs with AVX2 and FMA but not AVX-512: the same packed layout and the same order of every sum, eight outputs a
+// register, inputs as float32 (bfloat16 inputs are widened once a call). Sixteen registers hold fewer sums than
+// AVX-512's 32, so a tile of 64 outputs runs in passes over groups of its eight blocks: one row takes all eight blocks a
+// pass (eight independent sums keep the multiply-adds busy), two rows four, three to six rows two (up to 6 x 2 sums, the
+// usual AVX2 matrix kernel's shape). Each output's sum runs over the steps in order with one multiply-add a weight,
+// whichever pass holds it. Several rows take the weights chunk by chunk, as product_in_chunks does.
+namespace avx2 {
+
+constexpr int kLanes = 8;
+constexpr int kTileBlocks = static_cast<int>(kWidth / kLanes);
+constexpr int kGroupRows = 4;
+
+inline __m256i lane_mask(int count) {  // the first ``count`` of eight lanes
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes);
+}
+
+inline float widen(uint16_t half) {
+    const uint32_t bits = static_cast<uint32_t>(half) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+struct Float32 {
+    using element = float;
+    static constexpr int64_t kPerStep = 1;
+    template <int Rows, int Blocks>
+    static inline void step(const element* weights, const float* const* inputs, int64_t p, __m256 (&sums)[Rows][Blocks]) {
+        for (int b = 0; b < Blocks; ++b) {
+            const __m256 w = _mm256_loadu_ps(weights + b * kLanes);
+            for (int r = 0; r < Rows; ++r)
+                sums[r][b] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(inputs[r] + p), sums[r][b]);
+        }
+    }
+    static __m256 load_bias(const element* bias, int count) {
+        return count == kLanes ? _mm256_loadu_ps(bias) : _mm256_maskload_ps(bias, lane_mask(count));
+    }
+    static void store(element* out, int count, __m256 values) {
+        if (count == kLanes)
+            _mm256_storeu_ps(out, values);
+        else
+            _mm256_maskstore_ps(out, lane_mask(count), values);
+    }
+};
+
+// bfloat16 weights: a step is a pair of inputs, and a block's weights of a step one 256-bit load of eight (first,
+// second) pairs: the first weights are the pairs' low halves shifted up, the second their high halves.
+struct Bfloat16 {
+    using element = uint16_t;
+    static constexpr int64_t kPerStep = 2;
+    template <int Rows, int Blocks>
+    static inline void step(const element* weights, const float* const* inputs, int64_t p, __m256 (&sums)[Rows][Blocks]) {
+        __m256 first[Rows], second[Rows];  // (broadcast once a step for every block)
+        for (int r = 0; r < Rows; ++r) {
+            first[r] = _mm256_broadcast_ss(inputs[r] + 2 * p);
+            second[r] = _mm256_broadcast_ss(inputs[r] + 2 * p + 1);
+        }
+        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+        for (int b = 0; b < Blocks; ++b) {
+            const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + b * kLanes * 2));
+            const __m256 w_first = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+            const __m256 w_second = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+            for (int r = 0; r < Rows; ++r) {
+                sums[r][b] = _mm256_fmadd_ps(w_first, first[r], sums[r][b]);
+                sums[r][b] = _mm256_fmadd_ps(w_second, second[r], sums[r][b]);
+            }
+        }
+    }
+    static __m256 load_bias(const element* bias, int count) {
+        alignas(32) float values[kLanes] = {};
+        for (int i = 0; i < count; ++i) values[i] = widen(bias[i]);
+        return _mm256_load_ps(values);
+    }
+    static void store(element* out, int count, __m256 values) {  // rounded to nearest even, a NaN kept a NaN
+        alignas(32) uint32_t bits[kLanes];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bits), _mm256_castps_si256(values));
+        for (int i = 0; i < count; ++i) {
+            const uint32_t b = bits[i];
+            out[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((b >> 16) | 0x40u)
+                                                     : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+        }
+    }
+};
+
+// Rows x (8 Blocks) outputs over ``steps`` input steps: sums from zero (first) or ``partial`` (row stride kWidth);
+// after the last steps bias, rounding and the first ``valid`` outputs stored, else the sums back to ``partial``.
+template <typename S, int Rows, int Blocks>
+void pass(const float* const* inputs, const typename S::element* weights, int64_t steps, float* partial, bool first,
+          bool last, const typename S::element* bias, typename S::element* const* outputs, int64_t valid) {
+    __m256 sums[Rows][Blocks];
+    for (int r = 0; r < Rows; ++r)
+        for (int b = 0; b < Blocks; ++b)
+            sums[r][b] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + r * kWidth + b * kLanes);
+    for (int64_t p = 0; p < steps; ++p)
+        S::template step<Rows, Blocks>(weights + p * kWidth * S::kPerStep, inputs, p, sums);
+    if (!last) {
+        for (int r = 0; r < Rows; ++r)
+            for (int b = 0; b < Blocks; ++b) _mm256_storeu_ps(partial + r * kWidth + b * kLanes, sums[r][b]);
+        return;
+    }
+    for (int b = 0; b < Blocks; ++b) {
+        const int64_t left = valid - b * kLanes;
+        if (left <= 0) break;
+        const int count = static_cast<int>(std::min<int64_t>(kLanes, left));
+        const __m256 added = bias != nullptr ? S::load_bias(bias + b * kLanes, count) : _mm256_setzero_ps();
+        for (int r = 0; r < Rows; ++r)
+            S::store(outputs[r] + b * kLanes, count, bias != nullptr ? _mm256_add_ps(sums[r][b], added) : sums[r][b]);
+    }
+}
+
+// One group of up to six rows over a tile's chunk, in passes over groups of blocks (see above).
+template <typename S, int Rows>
+void group(const float* const* inputs, const typename S::element* weights, int64_t steps, float* partial, bool first,
+           bool last, const typename S::element* bias, typename S::element* const* outputs, int64_t valid) {
+    constexpr int kBlocksPerPass = Rows == 1 ? 8 : Rows == 2 ? 4 : 2;
+    typename S::element* shifted[Rows];
+    for (int block = 0; block < kTileBlocks && block * kLanes < valid; block += kBlocksPerPass) {
+        const int64_t column = block * kLanes;
+        for (int r = 0; r < Rows; ++r) shifted[r] = outputs[r] + column;
+        pass<S, Rows, kBlocksPerPass>(inputs, weights + column * S::kPerStep, steps,
+                                      partial == nullptr ? nullptr : partial + column, first, last,
+                                      bias == nullptr ? nullptr : bias + column, shifted, valid - column);
+    }
+}
+
+// ``x``: the inputs as float32, rows ``x_stride`` apart.
+template <typename S>
+void product(const float* x, int64_t x_stride, int64_t rows, const typename S::element* w, int64_t tiles,
+             int64_t steps, const typename S::element* bias, typename S::element* y, int64_t out_features) {
+    using element = typename S::element;
+    const int64_t tile_stride = steps * kWidth * S::kPerStep;
+    const int64_t chunk = rows == 1 ? steps : kChunkSteps;  // one row has no other rows to keep a chunk in cache for
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> partial(steps > chunk ? rows * kWidth : 0);
+        const float* row_inputs[kGroupRows];
+        element* row_outputs[kGroupRows];
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t column = t * kWidth;
+            const int64_t valid = std::min<int64_t>(kWidth, out_features - column);
+            for (int64_t start = 0; start < steps; start += chunk) {
+                const int64_t chunk_steps = std::min<int64_t>(chunk, steps - start);
+                const bool first = start == 0, last = start + chunk_steps == steps;
+                const element* weights = w + t * tile_stride + start * kWidth * S::kPerStep;
+                for (int64_t row = 0; row < rows; row += kGroupRows) {
+                    const int group_rows = static_cast<int>(std::min<int64_t>(kGroupRows, rows - row));
+                    for (int r = 0; r < group_rows; ++r) {
+                        row_inputs[r] = x + (row + r) * x_stride + start * S::kPerStep;
+                        row_outputs[r] = y + (row + r) * out_features + column;
+                    }
+                    float* sums = partial.empty() ? nullptr : partial.data() + row * kWidth;
+                    const element* offset = bias == nullptr ? nullptr : bias + column;
+                    switch (group_rows) {
+                        case 1: group<S, 1>(row_inputs, weights, chunk_steps, sums, first, last, offset, row_outputs, valid); break;
+                        case 2: group<S, 2>(row_inputs, weights, chunk_steps, sums, first, last, offset, row_outputs, valid); break;
+                        case 3: group<S, 3>(row_inputs, weights, chunk_steps, sums, first, last, offset, row_outputs, valid); break;
+                        case 4: group<S, 4>(row_inputs, weights, chunk_steps, sums, first, last, offset, row_outputs, valid); break;
+                        case 5: group<S, 5>(row_inputs, weights, chunk_steps, sums, first, last, offset, row_outputs, valid); break;
+                        default: group<S, 6>(row_inputs, weights, chunk_steps, sums, first, last, offset, row_outputs, valid); break;
+                    }
+                }
+            }
+        }
+    });
+}
+
+// The bfloat16 inputs (rows, in) widened to float32 once, for every tile's passes.
+inline std::vector<float> widened(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in) {
+    std::vector<float> wide(rows * in);
+    for (int64_t row = 0; row < rows; ++row)
+        for (int64_t i = 0; i < in; ++i) wide[row * in + i] = widen(x[row * x_stride + i]);
+    return wide;
+}
+
+}  // namespace avx2
+#endif
+
 bool runs(at::ScalarType dtype) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    return dtype == at::kBFloat16 || dtype == at::kFloat;
+#else
     return (dtype == at::kBFloat16 && Bfloat16Step::kAvailable) || (dtype == at::kFloat && Float32Step::kAvailable);
+#endif
 }
 
 // Inputs per step of the packed layout (e above) for weights of ``dtype``.
@@ -286,6 +469,17 @@ at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
         run(raw(inputs), inputs.stride(0), rows, raw(packed), tiles, steps, biased ? raw(*bias) : nullptr, raw(output),
             out_features);
 #endif
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (dtype == at::kFloat) {
+        avx2::product<avx2::Float32>(inputs.data_ptr<float>(), inputs.stride(0), rows, packed.data_ptr<float>(), tiles,
+                                     steps, biased ? bias->data_ptr<float>() : nullptr, output.data_ptr<float>(),
+                                     out_features);
+    } else {
+        auto raw = [](const at::Tensor& tensor) { return reinterpret_cast<uint16_t*>(tensor.data_ptr<at::BFloat16>()); };
+        const auto wide = avx2::widened(raw(inputs), inputs.stride(0), rows, in);
+        avx2::product<avx2::Bfloat16>(wide.data(), in, rows, raw(packed), tiles, steps, biased ? raw(*bias) : nullptr,
+                                      raw(output), out_features);
     }
 #endif
     return output;

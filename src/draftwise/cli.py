@@ -30,6 +30,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "lean", "transformers"],
                         help="the engine's own forward (lean: llama, qwen2), the model's public one, or auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--weights", default=None, choices=["q8_0", "q4_0"],
+                        help="quantise the linear products' weights on load to this GGUF block type (lean forward, "
+                        "float32, CPU kernels; default: the dtype's float weights)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
 
@@ -70,9 +73,11 @@ def _load(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_model(
-        args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend
+        args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend,
+        weights=args.weights,
     )
-    print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')} on {target.device} "
+    weights = f", {target.quantization} weights" if getattr(target, "quantization", None) else ""
+    print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')}{weights} on {target.device} "
           f"({target.backend} forward)", file=sys.stderr)
     return target, tokenizer
 
@@ -363,6 +368,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from .doctor import as_rows, diagnose, flags_summary
 
+    if args.weights:
+        raise DraftwiseError("doctor measures the float dtypes (--dtype); it does not take --weights")
     if args.threads:
         torch.set_num_threads(args.threads)
     diagnosis = diagnose(args.model, args.dtype.split(","), args.device, args.cache_dir, args.backend, args.trials)
@@ -472,7 +479,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     if gpus is None:
         gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
     name = args.served_model_name or args.model
-    load_options = {"dtype": args.dtype, "device": args.device, "backend": args.backend, "cache_dir": args.cache_dir}
+    load_options = {"dtype": args.dtype, "device": args.device, "backend": args.backend, "cache_dir": args.cache_dir,
+                    "weights": args.weights}
     app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,

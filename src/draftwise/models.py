@@ -281,6 +281,8 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = 
 
 #: Forwards ``load_model(backend=...)`` can run a model with.
 BACKENDS = ("auto", "lean", "transformers")
+#: Block quantisations ``load_model(weights=...)`` can keep a model's products in.
+WEIGHTS = ("q8_0", "q4_0")
 
 
 def make_target(
@@ -289,6 +291,7 @@ def make_target(
     fast_linear: bool = True,
     calibrate: bool = True,
     cache_dir: str | os.PathLike | None = None,
+    weights: str | None = None,
 ) -> Target:
     """The engine's :class:`~draftwise.backend.target.Target` for a loaded transformers model.
 
@@ -302,15 +305,22 @@ def make_target(
             (:func:`~draftwise.backend.calibration.invariance.plan_rows`) and the forward's cost by row count
             (:func:`~draftwise.backend.calibration.costs.cost_curves`); a few seconds the first time, kept per machine.
         cache_dir: where those measurements are kept (default ``~/.cache/draftwise/machine``).
+        weights: ``"q8_0"`` or ``"q4_0"`` to quantise every linear product's weights on load and run them so (the
+            lean forward of a float32 model on the CPU kernels; :mod:`draftwise.backend.weights.quantized`); ``None``
+            keeps the model's float weights.
     """
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    if weights is not None and weights not in WEIGHTS:
+        raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
     store = MeasurementStore(Path(cache_dir) / "machine" if cache_dir is not None else None)
     reason = unsupported_reason(model)
-    if backend == "lean" and reason is not None:
+    if (backend == "lean" or weights is not None) and reason is not None:
         raise UnsupportedModelError(f"the lean backend cannot run this model: {reason}; use backend='transformers'")
+    if weights is not None and backend == "transformers":
+        raise UnsupportedModelError(f"{weights} weights run on the lean backend, not transformers'")
     if backend != "transformers" and reason is None:
-        target: Target = lean_target(model)
+        target: Target = lean_target(model, **({"quantization": weights} if weights is not None else {}))
         if calibrate:
             plan_rows(target, store)
     else:
@@ -346,6 +356,7 @@ def load_model(
     fast_linear: bool = True,
     calibrate: bool = True,
     progress: bool = True,
+    weights: str | None = None,
 ) -> tuple[Target, Any]:
     """Load a causal LM and its tokenizer, ready for the engine.
 
@@ -358,6 +369,8 @@ def load_model(
         backend: which forward runs the model (see :func:`make_target`).
         fast_linear, calibrate: see :func:`make_target`.
         progress: print a line when a one-time conversion runs.
+        weights: ``"q8_0"`` or ``"q4_0"``: quantise the linear products' weights on load (see :func:`make_target`;
+            needs float32, which ``dtype="auto"`` then picks).
 
     Returns:
         ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
@@ -365,10 +378,14 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if weights is not None and dtype == "auto":
+        dtype = torch.float32  # (quantised products take float32 activations)
     try:
         dtype = resolve_dtype(dtype, device)
     except ValueError as error:
         raise ModelLoadError(str(error)) from None
+    if weights is not None and weights not in WEIGHTS:
+        raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
@@ -384,6 +401,6 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception:
         tokenizer = None
-    target = make_target(model, backend, fast_linear, calibrate, cache_dir)
+    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights)
     target.tokenizer = tokenizer
     return target, tokenizer

@@ -484,9 +484,11 @@ def test_a_sweep_measures_each_level_with_guidellms_metrics(server, stream):
             assert metrics["time_to_first_token_ms"] is None and metrics["inter_token_latency_ms"] is None
         speculation = report.speculation  # read from the server's /metrics around the level
         assert speculation is not None and speculation["sequence_steps"] >= 6
-        assert 0 < speculation["drafting_share"] <= 1 and speculation["mean_acceptance_length"] >= 1
+        assert 0 <= speculation["drafting_share"] <= 1 and speculation["mean_acceptance_length"] >= 1
         assert speculation["tokens_per_sequence_step"] == pytest.approx(
             72 / speculation["sequence_steps"], abs=1e-3)
+    # (Whether a level drafts is the policy's call on this machine's measured costs: over the sweep, some level did.)
+    assert any(report.speculation["drafting_share"] > 0 for report in reports)
 
 
 def test_loadtest_command_writes_results_a_chart_and_compares(server, tmp_path, capsys):

@@ -179,6 +179,8 @@ def environment(
         "model_sha256_of": digest["sha256_of"],
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
+        # (the products' weights: a block quantisation, else the dtype's float weights)
+        "weights": getattr(model, "quantization", None) or str(model.dtype).removeprefix("torch."),
         "backend": getattr(model, "backend", "transformers"),
         "row_plan": _row_plan(model),
         "threads": torch.get_num_threads(),

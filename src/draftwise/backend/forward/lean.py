@@ -14,7 +14,7 @@ forward is what the tests compare against. What this forward adds:
   through a kernel compiled on the machine (:mod:`draftwise.backend.native`), one call per layer for every row of
   every sequence, each row's arithmetic fixed by its position alone; where it cannot be built, through the library
   path of :mod:`draftwise.backend.forward.attention`. The linear products run through the same module's blocked kernel
-  where the CPU has AVX-512 (float32) or avx512_bf16 (bfloat16), through oneDNN otherwise
+  where the CPU has AVX2 and FMA or AVX-512 (float32 and bfloat16), through oneDNN otherwise
   (:mod:`draftwise.backend.weights.products`).
 """
 
@@ -34,6 +34,8 @@ from ..rows import RowBlock, is_chain
 from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
+from ..weights.quantized import BLOCK_INPUTS, QuantizedLinear
+from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
     batch_block_attention,
@@ -185,6 +187,9 @@ class LeanTarget(Target):
             :mod:`draftwise.backend.weights.pages`); :attr:`huge_pages` says whether they are.
         linear_fixed: run every linear product at exactly ``linear_min_rows`` rows (the CUDA forward's fixed step
             shape, see :mod:`draftwise.backend.forward.graphed`); such a target has no row plan to measure.
+        quantization: ``"q8_0"`` or ``"q4_0"`` to keep every linear product's weights (the output head's too) in that
+            GGUF block quantisation (:mod:`draftwise.backend.weights.quantized`; a float32 model on the compiled CPU
+            kernels); ``None`` keeps the model's float weights.
     """
 
     backend = "lean"
@@ -198,6 +203,7 @@ class LeanTarget(Target):
         kernel: bool | None = None,
         huge_pages: bool = True,
         linear_fixed: bool = False,
+        quantization: str | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -218,7 +224,11 @@ class LeanTarget(Target):
         self.packed = packing_available(dtype, device) if packed is None else packed
         self.kernel = self._compiled_kernels(kernel)
 
+        self.quantization = self._check_quantization(quantization, linear_fixed)
+
         def make_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            if self.quantization is not None:
+                return QuantizedLinear.from_weight(weight, bias, self.quantization, self.kernel, linear_min_rows)
             product = self.linear(weight, bias, linear_min_rows)
             product.fixed_rows = linear_fixed
             return product
@@ -243,6 +253,26 @@ class LeanTarget(Target):
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.compiled_layers = self._compiled_layers()
+
+    def _check_quantization(self, quantization: str | None, linear_fixed: bool) -> str | None:
+        """``quantization`` where this forward can keep its products' weights so (the compiled kernels, float32 rows),
+        else a clear error."""
+        if quantization is None:
+            return None
+        if quantization not in QUANTIZATIONS:
+            raise UnsupportedModelError(f"unknown weights {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+        if self.kernel is None or linear_fixed:
+            raise UnsupportedModelError(f"{quantization} weights run on the compiled CPU kernels, which this forward "
+                                        "does not use here")
+        if self.model.dtype != torch.float32:
+            raise UnsupportedModelError(f"{quantization} weights run with float32 activations: load the model in "
+                                        f"float32, not {self.model.dtype}")
+        odd = sorted({layer.weight.shape[1] for layer in self.model.modules()
+                      if isinstance(layer, torch.nn.Linear) and layer.weight.shape[1] % BLOCK_INPUTS})
+        if odd:
+            raise UnsupportedModelError(f"{quantization} weights need input widths that are multiples of "
+                                        f"{BLOCK_INPUTS}; this model has {odd}")
+        return quantization
 
     def _compiled_kernels(self, wanted: bool | None) -> Any | None:
         """The compiled kernels' module, if used (see the ``kernel`` argument)."""
@@ -282,15 +312,18 @@ class LeanTarget(Target):
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int | None = None) -> Linear:
         """A product by ``weight`` (and ``bias``) the way this forward runs its own: the compiled blocked kernel
-        where it can (float32 with AVX-512, bfloat16 with avx512_bf16), oneDNN's packed weights or ``F.linear``
+        where it can (float32 and bfloat16 with AVX2 and FMA or AVX-512), oneDNN's packed weights or ``F.linear``
         otherwise."""
         return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed,
                       self.linear_min_rows if min_rows is None else min_rows, kernels=self.kernel)
 
     @property
     def linear_path(self) -> str:
-        """``"kernel"`` (the compiled blocked products), ``"onednn"`` (packed weights) or ``"library"``
-        (``F.linear``) for the linear products."""
+        """``"kernel"`` (the compiled blocked products), ``"kernel-q8_0"`` / ``"kernel-q4_0"`` (the compiled products
+        over block-quantised weights), ``"onednn"`` (packed weights) or ``"library"`` (``F.linear``) for the linear
+        products."""
+        if self.head.quantization is not None:
+            return f"kernel-{self.head.quantization}"
         return "kernel" if self.head.blocked is not None else "onednn" if self.head.packed else "library"
 
     def _compiled_layers(self) -> Any | None:

@@ -1,5 +1,5 @@
-// The extension's Python module: the kernels of ragged_attention.cpp, row_ops.cpp, linear.cpp and ranking.cpp, and
-// the decoder layer loop of layers.cpp.
+// The extension's Python module: the kernels of ragged_attention.cpp, row_ops.cpp, linear.cpp, quantized.cpp and
+// ranking.cpp, and the decoder layer loop of layers.cpp.
 
 #include <torch/extension.h>
 
@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("blocked_linear_dtypes", &blocked_linear_dtypes, "The dtypes blocked_linear runs here");
     module.def("pack_blocked_weight", &pack_blocked_weight, "Weights packed for blocked_linear");
     module.def("blocked_linear", &blocked_linear, "x W^T + b from packed weights, batch invariant");
+    module.def("quantized_linear", &quantized_linear,
+               "x W^T + b from Q8_0 / Q4_0 weights repacked into tiles, batch invariant");
     module.def("top_tokens", &top_tokens, "The k largest values' indices of every row, best first");
     module.def("sampling_probabilities", &sampling_probabilities,
                "Each row's distribution after temperature, top-k, top-p and min-p");

@@ -66,6 +66,9 @@ class Linear:
             run through their ``blocked_linear`` (``packed`` is then ignored).
     """
 
+    #: The block quantisation the weights are kept in (``None``: the model's float dtype).
+    quantization: str | None = None
+
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, min_rows: int = 1, fixed_rows: bool = False,
         kernels: Any | None = None,

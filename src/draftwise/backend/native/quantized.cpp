@@ -1,0 +1,218 @@
+// Linear products (y = x W^T + b, float32 rows) over weights kept in GGUF's block quantisations Q8_0 and Q4_0,
+// repacked once into tiles of 64 outputs (draftwise.backend.weights.quantized writes the layout):
+//
+//   (tiles, groups, bytes): for each tile of 64 outputs and each group of 32 inputs, the 64 outputs' scales as float32,
+//   then the group's quants input by input: Q8_0 64 int8 (output o at byte o), Q4_0 32 bytes (output o in the low
+//   nibble of byte o, output o + 32 in the high one; the weight is scale * (nibble - 8)).
+//
+// A tile's group is dequantised once a call into a float32 buffer (8 KB, in the first level of cache) for all the rows
+// of the call: each weight is scale * quant, exact in float32, so the buffer holds the very values gguf's own
+// dequantisation gives. Then every output is one float32 sum over the inputs in order 0, 1, 2, ... with one fused
+// multiply-add a weight, then the bias: blocked_linear's float32 arithmetic on the dequantised matrix, bit for bit,
+// whatever the number of rows, on any CPU (the fallback without AVX2 and FMA computes the same fused multiply-adds one
+// at a time).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Optional.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+// (a namespace of its own: the vector sources are also compiled as one unit, beside linear.cpp's helpers)
+namespace quantized_products {
+
+constexpr int64_t kWidth = 64;  // outputs per tile
+constexpr int64_t kGroup = 32;  // inputs per quantisation block
+constexpr int64_t kRowsPerGroup = 4;
+
+enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1 };
+
+int64_t group_bytes(int64_t kind) {
+    return kWidth * static_cast<int64_t>(sizeof(float)) + (kind == kQ8_0 ? kGroup * kWidth : kGroup * kWidth / 2);
+}
+
+// One tile's group of 32 inputs as float32 weights, [input][output] (each scale * quant: exact in float32).
+void dequantize_group(int64_t kind, const uint8_t* source, float* out) {
+    float scales[kWidth];
+    std::memcpy(scales, source, sizeof(scales));
+    const uint8_t* quants = source + sizeof(scales);
+    constexpr int64_t kHalf = kWidth / 2;
+#if defined(__AVX2__)
+    __m256 scale[kWidth / 8];
+    for (int b = 0; b < kWidth / 8; ++b) scale[b] = _mm256_loadu_ps(scales + 8 * b);
+    if (kind == kQ8_0) {
+        for (int64_t p = 0; p < kGroup; ++p)
+            for (int b = 0; b < kWidth / 8; ++b) {
+                const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kWidth + 8 * b));
+                _mm256_storeu_ps(out + p * kWidth + 8 * b,
+                                 _mm256_mul_ps(scale[b], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight))));
+            }
+        return;
+    }
+    const __m256i low = _mm256_set1_epi32(15), offset = _mm256_set1_epi32(8);
+    for (int64_t p = 0; p < kGroup; ++p)
+        for (int b = 0; b < kHalf / 8; ++b) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kHalf + 8 * b)));
+            const __m256i first = _mm256_sub_epi32(_mm256_and_si256(bytes, low), offset);
+            const __m256i second = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), offset);
+            _mm256_storeu_ps(out + p * kWidth + 8 * b, _mm256_mul_ps(scale[b], _mm256_cvtepi32_ps(first)));
+            _mm256_storeu_ps(out + p * kWidth + kHalf + 8 * b,
+                             _mm256_mul_ps(scale[b + kHalf / 8], _mm256_cvtepi32_ps(second)));
+        }
+#else
+    if (kind == kQ8_0) {
+        for (int64_t p = 0; p < kGroup; ++p)
+            for (int64_t o = 0; o < kWidth; ++o)
+                out[p * kWidth + o] = scales[o] * static_cast<float>(static_cast<int8_t>(quants[p * kWidth + o]));
+        return;
+    }
+    for (int64_t p = 0; p < kGroup; ++p) {
+        const uint8_t* packed = quants + p * kHalf;
+        for (int64_t o = 0; o < kHalf; ++o) {
+            out[p * kWidth + o] = scales[o] * static_cast<float>(static_cast<int>(packed[o] & 15) - 8);
+            out[p * kWidth + o + kHalf] = scales[o + kHalf] * static_cast<float>(static_cast<int>(packed[o] >> 4) - 8);
+        }
+    }
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+
+inline __m256i lane_mask(int count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Rows x (8 Blocks) outputs over one group: sums from zero (first) or ``partial`` (row stride kWidth); after the last
+// group bias added and the first ``valid`` outputs stored, else the sums back to ``partial``.
+template <int Rows, int Blocks>
+void pass(const float* const* inputs, const float* weights, float* partial, bool first, bool last, const float* bias,
+          float* const* outputs, int64_t valid) {
+    __m256 sums[Rows][Blocks];
+    for (int r = 0; r < Rows; ++r)
+        for (int b = 0; b < Blocks; ++b)
+            sums[r][b] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + r * kWidth + b * kLanes);
+    for (int64_t p = 0; p < kGroup; ++p)
+        for (int b = 0; b < Blocks; ++b) {
+            const __m256 w = _mm256_loadu_ps(weights + p * kWidth + b * kLanes);
+            for (int r = 0; r < Rows; ++r)
+                sums[r][b] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(inputs[r] + p), sums[r][b]);
+        }
+    if (!last) {
+        for (int r = 0; r < Rows; ++r)
+            for (int b = 0; b < Blocks; ++b) _mm256_storeu_ps(partial + r * kWidth + b * kLanes, sums[r][b]);
+        return;
+    }
+    for (int b = 0; b < Blocks; ++b) {
+        const int64_t left = valid - b * kLanes;
+        if (left <= 0) break;
+        const __m256i mask = lane_mask(static_cast<int>(std::min<int64_t>(kLanes, left)));
+        const __m256 added = bias != nullptr ? _mm256_maskload_ps(bias + b * kLanes, mask) : _mm256_setzero_ps();
+        for (int r = 0; r < Rows; ++r)
+            _mm256_maskstore_ps(outputs[r] + b * kLanes, mask,
+                                bias != nullptr ? _mm256_add_ps(sums[r][b], added) : sums[r][b]);
+    }
+}
+
+// Up to four rows over one group, in passes over the tile's eight blocks of eight outputs (one row: all eight at once,
+// eight independent sums; two rows four; three or four rows two).
+template <int Rows>
+void group_rows(const float* const* inputs, const float* weights, float* partial, bool first, bool last,
+                const float* bias, float* const* outputs, int64_t valid) {
+    constexpr int kBlocks = Rows == 1 ? 8 : Rows == 2 ? 4 : 2;
+    float* shifted[Rows];
+    for (int64_t column = 0; column < valid; column += kBlocks * kLanes) {
+        for (int r = 0; r < Rows; ++r) shifted[r] = outputs[r] + column;
+        pass<Rows, kBlocks>(inputs, weights + column, partial + column, first, last,
+                            bias == nullptr ? nullptr : bias + column, shifted, valid - column);
+    }
+}
+
+void rows_over_group(int rows, const float* const* inputs, const float* weights, float* partial, bool first, bool last,
+                     const float* bias, float* const* outputs, int64_t valid) {
+    switch (rows) {
+        case 1: group_rows<1>(inputs, weights, partial, first, last, bias, outputs, valid); break;
+        case 2: group_rows<2>(inputs, weights, partial, first, last, bias, outputs, valid); break;
+        case 3: group_rows<3>(inputs, weights, partial, first, last, bias, outputs, valid); break;
+        default: group_rows<4>(inputs, weights, partial, first, last, bias, outputs, valid); break;
+    }
+}
+#else
+// The same sums one fused multiply-add at a time (std::fma rounds once, as the vector instruction does).
+void rows_over_group(int rows, const float* const* inputs, const float* weights, float* partial, bool first, bool last,
+                     const float* bias, float* const* outputs, int64_t valid) {
+    for (int r = 0; r < rows; ++r)
+        for (int64_t o = 0; o < valid; ++o) {
+            float sum = first ? 0.0f : partial[r * kWidth + o];
+            for (int64_t p = 0; p < kGroup; ++p) sum = std::fma(weights[p * kWidth + o], inputs[r][p], sum);
+            if (last)
+                outputs[r][o] = bias != nullptr ? sum + bias[o] : sum;
+            else
+                partial[r * kWidth + o] = sum;
+        }
+}
+#endif
+
+}  // namespace quantized_products
+
+at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t kind,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features) {
+    namespace qp = quantized_products;
+    TORCH_CHECK(kind == qp::kQ8_0 || kind == qp::kQ4_0, "kind: 0 (Q8_0) or 1 (Q4_0)");
+    TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat && inputs.stride(1) == 1,
+                "inputs: (rows, in) float32, rows contiguous");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.size(2) == qp::group_bytes(kind),
+                "packed: (tiles, groups, bytes) uint8 from the packing of this kind");
+    const int64_t rows = inputs.size(0), tiles = packed.size(0), groups = packed.size(1);
+    TORCH_CHECK(inputs.size(1) == groups * qp::kGroup, "inputs: ", groups * qp::kGroup, " features");
+    TORCH_CHECK(out_features > (tiles - 1) * qp::kWidth && out_features <= tiles * qp::kWidth, "out_features: the packing's");
+    const bool biased = bias.has_value() && bias->defined();
+    if (biased)
+        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kFloat,
+                    "bias: (out,) float32");
+    auto output = at::empty({rows, out_features}, inputs.options());
+    if (rows == 0 || groups == 0) return output.zero_();
+    const float* x = inputs.data_ptr<float>();
+    const int64_t x_stride = inputs.stride(0);
+    const uint8_t* weights = packed.data_ptr<uint8_t>();
+    const float* offsets = biased ? bias->data_ptr<float>() : nullptr;
+    float* y = output.data_ptr<float>();
+    const int64_t bytes = qp::group_bytes(kind);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> dequantized(qp::kGroup * qp::kWidth);
+        std::vector<float> partial(rows * qp::kWidth);
+        const float* row_inputs[qp::kRowsPerGroup];
+        float* row_outputs[qp::kRowsPerGroup];
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t column = t * qp::kWidth;
+            const int64_t valid = std::min<int64_t>(qp::kWidth, out_features - column);
+            for (int64_t g = 0; g < groups; ++g) {
+                qp::dequantize_group(kind, weights + (t * groups + g) * bytes, dequantized.data());
+                const bool first = g == 0, last = g == groups - 1;
+                for (int64_t row = 0; row < rows; row += qp::kRowsPerGroup) {
+                    const int count = static_cast<int>(std::min<int64_t>(qp::kRowsPerGroup, rows - row));
+                    for (int r = 0; r < count; ++r) {
+                        row_inputs[r] = x + (row + r) * x_stride + g * qp::kGroup;
+                        row_outputs[r] = y + (row + r) * out_features + column;
+                    }
+                    qp::rows_over_group(count, row_inputs, dequantized.data(), partial.data() + row * qp::kWidth, first, last,
+                                    offsets == nullptr ? nullptr : offsets + column, row_outputs, valid);
+                }
+            }
+        }
+    });
+    return output;
+}

@@ -1,0 +1,181 @@
+"""The compiled product over GGUF block-quantised weights (Q8_0, Q4_0): the packing keeps gguf's own values, the
+product equals the float32 blocked product of the dequantised matrix bit for bit (where that product runs), agrees
+with a float64 product, gives every row its result alone at any thread count, and refuses bad calls clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.backend import native
+from draftwise.backend.weights.quantized import KINDS, QuantizedLinear, dequantize, pack, quantize
+
+kernels = native.load_kernels(warn=False)
+pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
+
+
+def matrix(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+
+
+def rows(count: int, in_features: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(count, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (17, 576), (960, 576)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_equals_the_float32_product_of_gguf_dequantised_weights(kind, out_features, in_features, bias):
+    blocks = quantize(matrix(out_features, in_features), kind)
+    weights = dequantize(blocks, kind)
+    offsets = torch.randn(out_features, generator=torch.Generator().manual_seed(3)) if bias else None
+    linear = QuantizedLinear(blocks, kind, in_features, offsets, kernels)
+    inputs = rows(9, in_features)
+    output = linear(inputs)
+    expected = inputs.double() @ weights.double().T + (offsets.double() if bias else 0)
+    assert output.shape == (9, out_features) and output.dtype == torch.float32
+    assert torch.allclose(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    if "float32" in kernels.blocked_linear_dtypes():  # the same sums in the same order: the same bits
+        blocked = kernels.blocked_linear(inputs, kernels.pack_blocked_weight(weights), offsets, out_features)
+        assert torch.equal(output, blocked)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_is_bitwise_its_result_alone(kind, threads):
+    blocks = quantize(matrix(200, 160), kind)
+    linear = QuantizedLinear(blocks, kind, 160, torch.randn(200), kernels)
+    inputs = rows(45, 160)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = linear(inputs)
+        for count in (1, 2, 3, 4, 5, 8, 13, 44):
+            assert torch.equal(linear(inputs[:count]), together[:count])
+        for row in (0, 17, 44):
+            assert torch.equal(linear(inputs[row : row + 1])[0], together[row])
+        shuffled = inputs.clone()
+        shuffled[1:] = shuffled[1:].flip(0)
+        assert torch.equal(linear(shuffled)[0], together[0])
+        assert torch.equal(linear(inputs[:, :].T.contiguous().T[:3]), together[:3])  # strided rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_packing_keeps_every_block_value(kind):
+    """The packed scales and quants dequantise (as the kernel does) to exactly gguf's values, padding included."""
+    blocks = quantize(matrix(70, 64, seed=5), kind)
+    weights = dequantize(blocks, kind)
+    packed = pack(blocks, kind).numpy()
+    assert packed.shape[:2] == (2, 2)
+    scales = packed[:, :, :256].copy().view(np.float32)  # (tiles, groups, 64)
+    body = packed[:, :, 256:]
+    if kind == "q8_0":
+        quants = body.reshape(2, 2, 32, 64).view(np.int8).astype(np.float32)
+    else:
+        nibbles = body.reshape(2, 2, 32, 32)
+        quants = np.concatenate([nibbles & 15, nibbles >> 4], axis=3).astype(np.float32) - 8
+    values = scales[:, :, None, :] * quants  # (tiles, groups, inputs, outputs)
+    rebuilt = values.transpose(0, 3, 1, 2).reshape(128, 64)
+    assert np.array_equal(rebuilt[:70], weights.numpy())
+    assert not rebuilt[70:].any()
+
+
+def test_clear_refusals():
+    blocks = quantize(matrix(64, 64), "q8_0")
+    linear = QuantizedLinear(blocks, "q8_0", 64, None, kernels)
+    with pytest.raises(TypeError, match="float32"):
+        linear(rows(2, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.quantized_linear(rows(2, 32), linear.weight, 0, None, 64)
+    with pytest.raises(RuntimeError, match="packing"):
+        kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64)  # Q8_0 bytes read as Q4_0
+    with pytest.raises(ValueError, match="unknown quantisation"):
+        quantize(matrix(64, 64), "q3_k")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(matrix(64, 48), "q4_0")
+    with pytest.raises(ValueError, match="inputs per row"):
+        QuantizedLinear(blocks, "q8_0", 32, None, kernels)
+    assert linear(rows(0, 64)).shape == (0, 64)
+
+
+def dequantised_copy(model, kind: str):
+    """``model`` with every linear weight replaced by its ``kind`` blocks' gguf dequantisation."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in twin.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize(quantize(module.weight, kind), kind))
+    return twin
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_quantised_forward_is_the_float_forward_of_the_dequantised_model(kind, family, tmp_path):
+    """Prefill and verification rows of the quantised target equal the float32 lean forward of the same model with
+    gguf-dequantised weights: bit for bit where the float32 blocked product runs (the same sums), else closely."""
+    from tiny import make_tiny_model, planned
+
+    from draftwise.backend.forward.lean import LeanTarget
+    from draftwise.backend.rows import RowBlock
+
+    model = make_tiny_model(family, seed=0)
+    quantised = LeanTarget(model, quantization=kind)
+    reference = planned(dequantised_copy(model, kind), tmp_path)
+    assert quantised.linear_path == f"kernel-{kind}" and quantised.quantization == kind
+    prompt, chain = list(range(3, 40)), [5, 9, 11, 2]
+    outputs = []
+    for target in (quantised, reference):
+        cache = target.new_cache(64)
+        with torch.inference_mode():
+            first = target.prefill([cache], [prompt]).logits[0]
+            rows = target.forward([cache], [RowBlock.chain(chain)]).logits[0]
+        outputs.append((first.float(), rows.float()))
+    exact = "float32" in kernels.blocked_linear_dtypes()
+    for ours, theirs in zip(outputs[0], outputs[1]):
+        assert torch.equal(ours, theirs) if exact else torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("method", ["pld", "aded"])
+def test_every_method_gives_plain_greedy_ids_on_quantised_weights(kind, method, tmp_path):
+    import random
+
+    from equivalence import assert_same_ids_as_ar
+    from tiny import make_tiny_model, repetitive_prompt
+
+    from draftwise.backend.calibration.invariance import plan_rows
+    from draftwise.backend.calibration.machine import MeasurementStore
+    from draftwise.backend.forward.lean import LeanTarget
+
+    target = LeanTarget(make_tiny_model("qwen2", seed=0), quantization=kind)
+    plan_rows(target, MeasurementStore(tmp_path))
+    assert target.linear_min_rows == 1  # rows need no padding
+    prompts = [repetitive_prompt(random.Random(seed), low=30, high=40) for seed in range(3)]
+    assert_same_ids_as_ar(target, None, prompts, method, max_new_tokens=40)
+    assert_same_ids_as_ar(target, None, prompts, method, max_new_tokens=40, max_batch=3)
+
+
+def test_quantised_weights_refuse_what_they_cannot_run(tmp_path):
+    from tiny import make_tiny_model
+
+    import draftwise
+    from draftwise.backend.forward.lean import LeanTarget
+    from draftwise.errors import ModelLoadError, UnsupportedModelError
+    from draftwise.models import make_target
+
+    with pytest.raises(UnsupportedModelError, match="float32"):
+        LeanTarget(make_tiny_model("llama", seed=0).to(torch.bfloat16), quantization="q8_0")
+    with pytest.raises(UnsupportedModelError, match="unknown weights"):
+        LeanTarget(make_tiny_model("llama", seed=0), quantization="q3_k")
+    with pytest.raises(UnsupportedModelError, match="multiples of 32"):
+        LeanTarget(make_tiny_model("llama", seed=0, hidden_size=48, intermediate_size=96), quantization="q4_0")
+    with pytest.raises(UnsupportedModelError, match="lean backend"):
+        make_target(make_tiny_model("llama", seed=0), backend="transformers", weights="q8_0", calibrate=False)
+    with pytest.raises(ModelLoadError, match="unknown weights"):
+        draftwise.load_model("smollm2-135m", weights="int3", cache_dir=tmp_path)

@@ -258,5 +258,8 @@ def test_replica_limits_and_bad_options():
         build_app("smollm2-135m", method="no-such-method")
     with pytest.raises(Exception, match="unknown dtype"):
         build_app("smollm2-135m", dtype="float8")
+    with pytest.raises(Exception, match="unknown weights"):
+        build_app("smollm2-135m", weights="q3_k")
+    assert build_app("smollm2-135m", weights="q8_0") is not None
     with pytest.raises(InvalidRequestError, match="gpus_per_replica"):
         build_app("smollm2-135m", device="cuda")

@@ -433,6 +433,7 @@ def test_engine_rejects_what_it_cannot_serve(target):
     (["serve", "--ray", "--replicas", "2", "--autoscale", "1,3"], "not both"),
     (["serve", "--replicas", "2"], "--replicas needs --ray"),
     (["serve", "--ray", "--model", "/no/such/model.gguf"], "unknown model"),
+    (["serve", "--ray", "--weights", "q8_0", "--model", "/no/such/model.gguf"], "unknown model"),
 ])
 def test_serve_and_loadtest_commands_refuse_bad_options(capsys, arguments, message):
     from draftwise import cli

@@ -247,13 +247,15 @@ class SessionAffinityRouter(LocalityMixin, RequestRouter):
 def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any]) -> None:
     """Refuse, before any replica starts, a model or load option every replica would fail on."""
     from ..backend.calibration.machine import resolve_dtype
-    from ..models import BACKENDS, PRESETS
+    from ..models import BACKENDS, PRESETS, WEIGHTS
 
-    unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate"}
+    unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate", "weights"}
     if unknown:
         raise InvalidRequestError(f"unknown load options: {', '.join(sorted(unknown))}")
     if load_options.get("backend", "auto") not in BACKENDS:
         raise ModelLoadError(f"unknown backend {load_options['backend']!r}; backends: {', '.join(BACKENDS)}")
+    if load_options.get("weights") not in (None, *WEIGHTS):
+        raise ModelLoadError(f"unknown weights {load_options['weights']!r}; weights: {', '.join(WEIGHTS)}")
     try:
         resolve_dtype(load_options.get("dtype", "auto"), load_options.get("device", "cpu"))
     except ValueError as error:
@@ -305,7 +307,8 @@ def build_app(
         session_affinity: route by the ``x-session-id`` header (:class:`SessionAffinityRouter`); otherwise Ray's
             default power-of-two-choices routing.
         health_check_period_s: how often Serve calls each replica's health check.
-        load_options: passed to :func:`draftwise.load_model` (``dtype``, ``device``, ``backend``, ``cache_dir``).
+        load_options: passed to :func:`draftwise.load_model` (``dtype``, ``device``, ``backend``, ``cache_dir``,
+            ``weights``).
     """
     if replicas < 1:
         raise InvalidRequestError("replicas must be at least 1")

@@ -30,9 +30,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "lean", "transformers"],
                         help="the engine's own forward (lean: llama, qwen2), the model's public one, or auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--weights", default=None, choices=["q8_0", "q4_0"],
-                        help="quantise the linear products' weights on load to this GGUF block type (lean forward, "
-                        "float32, CPU kernels; default: the dtype's float weights)")
+    parser.add_argument("--weights", default=None, choices=["file", "q8_0", "q4_0"],
+                        help="file: run a GGUF model's block-quantised matrices as shipped; q8_0/q4_0: quantise the "
+                        "linear products' weights on load (lean forward, float32, CPU kernels; default: the dtype's "
+                        "float weights)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
 

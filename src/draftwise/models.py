@@ -281,8 +281,9 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = 
 
 #: Forwards ``load_model(backend=...)`` can run a model with.
 BACKENDS = ("auto", "lean", "transformers")
-#: Block quantisations ``load_model(weights=...)`` can keep a model's products in.
-WEIGHTS = ("q8_0", "q4_0")
+#: Block quantisations ``load_model(weights=...)`` can keep a model's products in: ``"file"`` a GGUF file's own (as
+#: shipped), ``"q8_0"``/``"q4_0"`` quantised on load.
+WEIGHTS = ("file", "q8_0", "q4_0")
 
 
 def make_target(
@@ -292,6 +293,7 @@ def make_target(
     calibrate: bool = True,
     cache_dir: str | os.PathLike | None = None,
     weights: str | None = None,
+    gguf_file: str | os.PathLike | None = None,
 ) -> Target:
     """The engine's :class:`~draftwise.backend.target.Target` for a loaded transformers model.
 
@@ -306,8 +308,10 @@ def make_target(
             (:func:`~draftwise.backend.calibration.costs.cost_curves`); a few seconds the first time, kept per machine.
         cache_dir: where those measurements are kept (default ``~/.cache/draftwise/machine``).
         weights: ``"q8_0"`` or ``"q4_0"`` to quantise every linear product's weights on load and run them so (the
-            lean forward of a float32 model on the CPU kernels; :mod:`draftwise.backend.weights.quantized`); ``None``
-            keeps the model's float weights.
+            lean forward of a float32 model on the CPU kernels; :mod:`draftwise.backend.weights.quantized`),
+            ``"file"`` to run the block-quantised matrices of ``gguf_file`` (the file ``model`` was loaded from) as
+            they are; ``None`` keeps the model's float weights.
+        gguf_file: the GGUF file for ``weights="file"``.
     """
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
@@ -319,8 +323,20 @@ def make_target(
         raise UnsupportedModelError(f"the lean backend cannot run this model: {reason}; use backend='transformers'")
     if weights is not None and backend == "transformers":
         raise UnsupportedModelError(f"{weights} weights run on the lean backend, not transformers'")
+    if weights == "file" and gguf_file is None:
+        raise ModelLoadError("weights='file' runs a GGUF file's own blocks: give the file the model was loaded from")
     if backend != "transformers" and reason is None:
-        target: Target = lean_target(model, **({"quantization": weights} if weights is not None else {}))
+        options: dict[str, Any] = {}
+        if weights == "file":
+            from .backend.weights.gguf_file import file_matrices
+
+            try:
+                options["quantized"] = file_matrices(model, gguf_file)
+            except ValueError as error:
+                raise ModelLoadError(str(error)) from None
+        elif weights is not None:
+            options["quantization"] = weights
+        target: Target = lean_target(model, **options)
         if calibrate:
             plan_rows(target, store)
     else:
@@ -369,8 +385,9 @@ def load_model(
         backend: which forward runs the model (see :func:`make_target`).
         fast_linear, calibrate: see :func:`make_target`.
         progress: print a line when a one-time conversion runs.
-        weights: ``"q8_0"`` or ``"q4_0"``: quantise the linear products' weights on load (see :func:`make_target`;
-            needs float32, which ``dtype="auto"`` then picks).
+        weights: ``"file"``: run a GGUF file's (or preset's) block-quantised matrices as shipped; ``"q8_0"`` or
+            ``"q4_0"``: quantise the linear products' weights on load (see :func:`make_target`; both need float32,
+            which ``dtype="auto"`` then picks).
 
     Returns:
         ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
@@ -389,6 +406,15 @@ def load_model(
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
+    gguf_file = None
+    if weights == "file":
+        if name_or_path in PRESETS:
+            gguf_file = preset_gguf(name_or_path, cache_dir)
+        elif Path(name_or_path).expanduser().is_file():
+            gguf_file = Path(name_or_path).expanduser()
+        else:
+            raise ModelLoadError(f"weights='file' runs a GGUF file's own blocks; {name_or_path} is a checkpoint "
+                                 "folder: give a preset or a .gguf file, or weights='q8_0'/'q4_0'")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except Exception as error:
@@ -401,6 +427,6 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception:
         tokenizer = None
-    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights)
+    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights, gguf_file)
     target.tokenizer = tokenizer
     return target, tokenizer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftwise.backend import native
-from draftwise.backend.weights.quantized import KINDS, QuantizedLinear, dequantize, pack, quantize
+from draftwise.backend.weights.quantized import KINDS, QuantizedLinear, decode, dequantize, pack, quantize
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
@@ -31,7 +31,7 @@ def test_equals_the_float32_product_of_gguf_dequantised_weights(kind, out_featur
     blocks = quantize(matrix(out_features, in_features), kind)
     weights = dequantize(blocks, kind)
     offsets = torch.randn(out_features, generator=torch.Generator().manual_seed(3)) if bias else None
-    linear = QuantizedLinear(blocks, kind, in_features, offsets, kernels)
+    linear = QuantizedLinear(decode(blocks, kind), offsets, kernels)
     inputs = rows(9, in_features)
     output = linear(inputs)
     expected = inputs.double() @ weights.double().T + (offsets.double() if bias else 0)
@@ -46,7 +46,7 @@ def test_equals_the_float32_product_of_gguf_dequantised_weights(kind, out_featur
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_row_is_bitwise_its_result_alone(kind, threads):
     blocks = quantize(matrix(200, 160), kind)
-    linear = QuantizedLinear(blocks, kind, 160, torch.randn(200), kernels)
+    linear = QuantizedLinear(decode(blocks, kind), torch.randn(200), kernels)
     inputs = rows(45, 160)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -69,8 +69,9 @@ def test_packing_keeps_every_block_value(kind):
     """The packed scales and quants dequantise (as the kernel does) to exactly gguf's values, padding included."""
     blocks = quantize(matrix(70, 64, seed=5), kind)
     weights = dequantize(blocks, kind)
-    packed = pack(blocks, kind).numpy()
-    assert packed.shape[:2] == (2, 2)
+    packed, layout = pack(decode(blocks, kind))
+    packed = packed.numpy()
+    assert packed.shape[:2] == (2, 2) and layout == (0 if kind == "q8_0" else 9)  # Q4_0: centred nibbles
     scales = packed[:, :, :256].copy().view(np.float32)  # (tiles, groups, 64)
     body = packed[:, :, 256:]
     if kind == "q8_0":
@@ -80,25 +81,29 @@ def test_packing_keeps_every_block_value(kind):
         quants = np.concatenate([nibbles & 15, nibbles >> 4], axis=3).astype(np.float32) - 8
     values = scales[:, :, None, :] * quants  # (tiles, groups, inputs, outputs)
     rebuilt = values.transpose(0, 3, 1, 2).reshape(128, 64)
-    assert np.array_equal(rebuilt[:70], weights.numpy())
+    assert np.array_equal(rebuilt[:70].view(np.uint32), weights.numpy().view(np.uint32))  # signed zeros too
     assert not rebuilt[70:].any()
 
 
 def test_clear_refusals():
     blocks = quantize(matrix(64, 64), "q8_0")
-    linear = QuantizedLinear(blocks, "q8_0", 64, None, kernels)
+    linear = QuantizedLinear(decode(blocks, "q8_0"), None, kernels)
     with pytest.raises(TypeError, match="float32"):
         linear(rows(2, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="features"):
         kernels.quantized_linear(rows(2, 32), linear.weight, 0, None, 64)
     with pytest.raises(RuntimeError, match="packing"):
-        kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64)  # Q8_0 bytes read as Q4_0
+        kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64)  # Q8_0 bytes read as nibbles
+    with pytest.raises(RuntimeError, match="format"):
+        kernels.quantized_linear(rows(2, 64), linear.weight, 8, None, 64)  # centred without nibbles
     with pytest.raises(ValueError, match="unknown quantisation"):
         quantize(matrix(64, 64), "q3_k")
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(matrix(64, 48), "q4_0")
-    with pytest.raises(ValueError, match="inputs per row"):
-        QuantizedLinear(blocks, "q8_0", 32, None, kernels)
+    with pytest.raises(ValueError, match="no quantised product"):
+        decode(blocks, "q2_k")
+    with pytest.raises(ValueError, match="34-byte blocks"):
+        decode(blocks[:, :30], "q8_0")
     assert linear(rows(0, 64)).shape == (0, 64)
 
 

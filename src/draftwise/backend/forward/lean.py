@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from ..rows import RowBlock, is_chain
 from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
-from ..weights.quantized import BLOCK_INPUTS, QuantizedLinear
+from ..weights.quantized import BLOCK_INPUTS, QuantizedLinear, QuantizedMatrix
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -190,6 +190,11 @@ class LeanTarget(Target):
         quantization: ``"q8_0"`` or ``"q4_0"`` to keep every linear product's weights (the output head's too) in that
             GGUF block quantisation (:mod:`draftwise.backend.weights.quantized`; a float32 model on the compiled CPU
             kernels); ``None`` keeps the model's float weights.
+        quantized: block-quantised matrices as a GGUF file holds them, by the model's projection module (the output
+            head's module included) they replace (:func:`draftwise.backend.weights.gguf_file.file_matrices`): each
+            product whose projections all have one runs on them (the others keep their float weights). Each
+            matrix must dequantise to exactly the module's weight: the model is then the float reference of the
+            quantised forward. Not with ``quantization``.
     """
 
     backend = "lean"
@@ -204,6 +209,7 @@ class LeanTarget(Target):
         huge_pages: bool = True,
         linear_fixed: bool = False,
         quantization: str | None = None,
+        quantized: Mapping[Any, QuantizedMatrix] | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -224,11 +230,17 @@ class LeanTarget(Target):
         self.packed = packing_available(dtype, device) if packed is None else packed
         self.kernel = self._compiled_kernels(kernel)
 
-        self.quantization = self._check_quantization(quantization, linear_fixed)
+        if quantization is not None and quantized:
+            raise UnsupportedModelError("give quantization (quantise on load) or quantized (a file's blocks), not both")
+        checked = self._check_quantization(quantization or ("file" if quantized else None), linear_fixed)
+        quantized = quantized or {}
 
-        def make_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-            if self.quantization is not None:
-                return QuantizedLinear.from_weight(weight, bias, self.quantization, self.kernel, linear_min_rows)
+        def make_product(weight: torch.Tensor, bias: torch.Tensor | None, modules: tuple[Any, ...]) -> Linear:
+            if quantization is not None:
+                return QuantizedLinear.from_weight(weight, bias, quantization, self.kernel, linear_min_rows)
+            if modules and all(module in quantized for module in modules):
+                return QuantizedLinear(QuantizedMatrix.stack([quantized[module] for module in modules]), bias,
+                                       self.kernel, linear_min_rows)
             product = self.linear(weight, bias, linear_min_rows)
             product.fixed_rows = linear_fixed
             return product
@@ -237,7 +249,13 @@ class LeanTarget(Target):
         self.embedding = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         head = model.get_output_embeddings()
-        self.head = make_product(head.weight.detach(), None if head.bias is None else head.bias.detach())
+        self.head = make_product(head.weight.detach(), None if head.bias is None else head.bias.detach(), (head,))
+        #: The block quantisations the products' weights are kept in (``"q4_1+q8_0"``: a file's types, lower case,
+        #: in the order the forward meets them), ``None`` for float weights.
+        self.quantization = None
+        if checked is not None:
+            kinds = [product.quantization for product in self.products if product.quantization]
+            self.quantization = "+".join(dict.fromkeys(kind for found in kinds for kind in found.split("+"))) or None
         #: Whether the products' weights are in transparent huge pages.
         self.huge_pages = huge_pages and place_in_huge_pages(list(self.products), device)
         inverse = 1.0 / (
@@ -259,7 +277,7 @@ class LeanTarget(Target):
         else a clear error."""
         if quantization is None:
             return None
-        if quantization not in QUANTIZATIONS:
+        if quantization != "file" and quantization not in QUANTIZATIONS:
             raise UnsupportedModelError(f"unknown weights {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
         if self.kernel is None or linear_fixed:
             raise UnsupportedModelError(f"{quantization} weights run on the compiled CPU kernels, which this forward "
@@ -319,11 +337,11 @@ class LeanTarget(Target):
 
     @property
     def linear_path(self) -> str:
-        """``"kernel"`` (the compiled blocked products), ``"kernel-q8_0"`` / ``"kernel-q4_0"`` (the compiled products
-        over block-quantised weights), ``"onednn"`` (packed weights) or ``"library"`` (``F.linear``) for the linear
-        products."""
-        if self.head.quantization is not None:
-            return f"kernel-{self.head.quantization}"
+        """``"kernel"`` (the compiled blocked products), ``"kernel-q8_0"``, ``"kernel-q4_1+q8_0"``... (the compiled
+        products over block-quantised weights, see :attr:`quantization`), ``"onednn"`` (packed weights) or
+        ``"library"`` (``F.linear``) for the linear products."""
+        if self.quantization is not None:
+            return f"kernel-{self.quantization}"
         return "kernel" if self.head.blocked is not None else "onednn" if self.head.packed else "library"
 
     def _compiled_layers(self) -> Any | None:

@@ -25,7 +25,7 @@ std::vector<std::string> blocked_linear_dtypes();
 at::Tensor pack_blocked_weight(const at::Tensor& weight);
 at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, int64_t out_features);
-at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t kind,
+at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
                             const c10::optional<at::Tensor>& bias, int64_t out_features);
 std::tuple<at::Tensor, bool> top_tokens(const at::Tensor& logits, int64_t k);
 at::Tensor sampling_probabilities(const at::Tensor& logits, double temperature, int64_t top_k, double top_p,

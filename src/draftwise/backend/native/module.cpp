@@ -13,7 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("pack_blocked_weight", &pack_blocked_weight, "Weights packed for blocked_linear");
     module.def("blocked_linear", &blocked_linear, "x W^T + b from packed weights, batch invariant");
     module.def("quantized_linear", &quantized_linear,
-               "x W^T + b from Q8_0 / Q4_0 weights repacked into tiles, batch invariant");
+               "x W^T + b from GGUF block-quantised weights repacked into tiles, batch invariant");
     module.def("top_tokens", &top_tokens, "The k largest values' indices of every row, best first");
     module.def("sampling_probabilities", &sampling_probabilities,
                "Each row's distribution after temperature, top-k, top-p and min-p");

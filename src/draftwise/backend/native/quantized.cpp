@@ -1,16 +1,17 @@
-// Linear products (y = x W^T + b, float32 rows) over weights kept in GGUF's block quantisations Q8_0 and Q4_0,
-// repacked once into tiles of 64 outputs (draftwise.backend.weights.quantized writes the layout):
+// Linear products (y = x W^T + b, float32 rows) over weights kept in GGUF's block quantisations, in the common form
+// draftwise.backend.weights.quantized decodes every type to (weight = scale * quant + offset, scale * quant exact in
+// float32) and repacks once into tiles of 64 outputs:
 //
-//   (tiles, groups, bytes): for each tile of 64 outputs and each group of 32 inputs, the 64 outputs' scales as float32,
-//   then the group's quants input by input: Q8_0 64 int8 (output o at byte o), Q4_0 32 bytes (output o in the low
-//   nibble of byte o, output o + 32 in the high one; the weight is scale * (nibble - 8)).
+//   (tiles, groups, bytes): for each tile of 64 outputs and each group of 32 inputs, the 64 outputs' scales as float32
+//   (two rows of them, for inputs 0-15 and 16-31, with kHalves), their offsets as float32 (with kOffsets), then the
+//   group's quants input by input: 64 int8 (output o at byte o), or with kNibbles 32 bytes (output o in the low nibble
+//   of byte o, output o + 32 in the high one; the quant is the nibble - 8 with kCentred).
 //
 // A tile's group is dequantised once a call into a float32 buffer (8 KB, in the first level of cache) for all the rows
-// of the call: each weight is scale * quant, exact in float32, so the buffer holds the very values gguf's own
-// dequantisation gives. Then every output is one float32 sum over the inputs in order 0, 1, 2, ... with one fused
-// multiply-add a weight, then the bias: blocked_linear's float32 arithmetic on the dequantised matrix, bit for bit,
-// whatever the number of rows, on any CPU (the fallback without AVX2 and FMA computes the same fused multiply-adds one
-// at a time).
+// of the call: each weight is scale * quant (exact) + offset (one rounding), the very value gguf's own dequantisation
+// gives. Then every output is one float32 sum over the inputs in order 0, 1, 2, ... with one fused multiply-add a
+// weight, then the bias: blocked_linear's float32 arithmetic on the dequantised matrix, bit for bit, whatever the
+// number of rows, on any CPU (the fallback without AVX2 and FMA computes the same fused multiply-adds one at a time).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,56 +36,83 @@ constexpr int64_t kWidth = 64;  // outputs per tile
 constexpr int64_t kGroup = 32;  // inputs per quantisation block
 constexpr int64_t kRowsPerGroup = 4;
 
-enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1 };
+enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kCentred = 8 };
 
-int64_t group_bytes(int64_t kind) {
-    return kWidth * static_cast<int64_t>(sizeof(float)) + (kind == kQ8_0 ? kGroup * kWidth : kGroup * kWidth / 2);
+bool valid_format(int64_t format) {
+    return format >= 0 && format < 16 && ((format & kCentred) == 0 || (format & kNibbles) != 0);
 }
 
-// One tile's group of 32 inputs as float32 weights, [input][output] (each scale * quant: exact in float32).
-void dequantize_group(int64_t kind, const uint8_t* source, float* out) {
-    float scales[kWidth];
+int64_t group_bytes(int64_t format) {
+    const int64_t scales = (format & kHalves ? 2 : 1) * kWidth * static_cast<int64_t>(sizeof(float));
+    const int64_t offsets = format & kOffsets ? kWidth * static_cast<int64_t>(sizeof(float)) : 0;
+    return scales + offsets + (format & kNibbles ? kGroup * kWidth / 2 : kGroup * kWidth);
+}
+
+// One tile's group of 32 inputs as float32 weights, [input][output]: scale * quant (exact) + offset.
+template <bool Nibbles, bool Offsets, bool Halves>
+void dequantize_group(const uint8_t* source, int centre, float* out) {
+    constexpr int64_t kScaleRows = Halves ? 2 : 1;
+    float scales[kScaleRows][kWidth];
+    float offsets[kWidth];
     std::memcpy(scales, source, sizeof(scales));
-    const uint8_t* quants = source + sizeof(scales);
+    if (Offsets) std::memcpy(offsets, source + sizeof(scales), sizeof(offsets));
+    const uint8_t* quants = source + sizeof(scales) + (Offsets ? sizeof(offsets) : 0);
     constexpr int64_t kHalf = kWidth / 2;
 #if defined(__AVX2__)
-    __m256 scale[kWidth / 8];
-    for (int b = 0; b < kWidth / 8; ++b) scale[b] = _mm256_loadu_ps(scales + 8 * b);
-    if (kind == kQ8_0) {
-        for (int64_t p = 0; p < kGroup; ++p)
+    const __m256i low = _mm256_set1_epi32(15), shift = _mm256_set1_epi32(centre);
+    for (int64_t p = 0; p < kGroup; ++p) {
+        const float* scale = scales[Halves && p >= kGroup / 2 ? 1 : 0];
+        if (Nibbles) {
+            for (int b = 0; b < kHalf / 8; ++b) {
+                const __m256i bytes = _mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kHalf + 8 * b)));
+                const __m256i halves[2] = {_mm256_sub_epi32(_mm256_and_si256(bytes, low), shift),
+                                           _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), shift)};
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t o = h * kHalf + 8 * b;
+                    __m256 value = _mm256_mul_ps(_mm256_loadu_ps(scale + o), _mm256_cvtepi32_ps(halves[h]));
+                    if (Offsets) value = _mm256_add_ps(value, _mm256_loadu_ps(offsets + o));
+                    _mm256_storeu_ps(out + p * kWidth + o, value);
+                }
+            }
+        } else {
             for (int b = 0; b < kWidth / 8; ++b) {
                 const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kWidth + 8 * b));
-                _mm256_storeu_ps(out + p * kWidth + 8 * b,
-                                 _mm256_mul_ps(scale[b], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight))));
+                __m256 value = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * b),
+                                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
+                if (Offsets) value = _mm256_add_ps(value, _mm256_loadu_ps(offsets + 8 * b));
+                _mm256_storeu_ps(out + p * kWidth + 8 * b, value);
             }
-        return;
-    }
-    const __m256i low = _mm256_set1_epi32(15), offset = _mm256_set1_epi32(8);
-    for (int64_t p = 0; p < kGroup; ++p)
-        for (int b = 0; b < kHalf / 8; ++b) {
-            const __m256i bytes = _mm256_cvtepu8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kHalf + 8 * b)));
-            const __m256i first = _mm256_sub_epi32(_mm256_and_si256(bytes, low), offset);
-            const __m256i second = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), offset);
-            _mm256_storeu_ps(out + p * kWidth + 8 * b, _mm256_mul_ps(scale[b], _mm256_cvtepi32_ps(first)));
-            _mm256_storeu_ps(out + p * kWidth + kHalf + 8 * b,
-                             _mm256_mul_ps(scale[b + kHalf / 8], _mm256_cvtepi32_ps(second)));
         }
-#else
-    if (kind == kQ8_0) {
-        for (int64_t p = 0; p < kGroup; ++p)
-            for (int64_t o = 0; o < kWidth; ++o)
-                out[p * kWidth + o] = scales[o] * static_cast<float>(static_cast<int8_t>(quants[p * kWidth + o]));
-        return;
     }
+#else
     for (int64_t p = 0; p < kGroup; ++p) {
-        const uint8_t* packed = quants + p * kHalf;
-        for (int64_t o = 0; o < kHalf; ++o) {
-            out[p * kWidth + o] = scales[o] * static_cast<float>(static_cast<int>(packed[o] & 15) - 8);
-            out[p * kWidth + o + kHalf] = scales[o + kHalf] * static_cast<float>(static_cast<int>(packed[o] >> 4) - 8);
+        const float* scale = scales[Halves && p >= kGroup / 2 ? 1 : 0];
+        for (int64_t o = 0; o < kWidth; ++o) {
+            int quant;
+            if (Nibbles) {
+                const uint8_t byte = quants[p * kHalf + o % kHalf];
+                quant = static_cast<int>(o < kHalf ? byte & 15 : byte >> 4) - centre;
+            } else {
+                quant = static_cast<int8_t>(quants[p * kWidth + o]);
+            }
+            const float product = scale[o] * static_cast<float>(quant);  // exact: no contraction can change it
+            out[p * kWidth + o] = Offsets ? product + offsets[o] : product;
         }
     }
 #endif
+}
+
+using Dequantizer = void (*)(const uint8_t*, int, float*);
+
+Dequantizer dequantizer(int64_t format) {
+    static const Dequantizer table[8] = {
+        dequantize_group<false, false, false>, dequantize_group<true, false, false>,
+        dequantize_group<false, true, false>,  dequantize_group<true, true, false>,
+        dequantize_group<false, false, true>,  dequantize_group<true, false, true>,
+        dequantize_group<false, true, true>,   dequantize_group<true, true, true>,
+    };
+    return table[format & 7];
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -166,15 +194,15 @@ void rows_over_group(int rows, const float* const* inputs, const float* weights,
 
 }  // namespace quantized_products
 
-at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t kind,
+at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
     namespace qp = quantized_products;
-    TORCH_CHECK(kind == qp::kQ8_0 || kind == qp::kQ4_0, "kind: 0 (Q8_0) or 1 (Q4_0)");
+    TORCH_CHECK(qp::valid_format(format), "format: the packing's format bits (0-15, centred only with nibbles)");
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat && inputs.stride(1) == 1,
                 "inputs: (rows, in) float32, rows contiguous");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                    packed.size(2) == qp::group_bytes(kind),
-                "packed: (tiles, groups, bytes) uint8 from the packing of this kind");
+                    packed.size(2) == qp::group_bytes(format),
+                "packed: (tiles, groups, bytes) uint8 from the packing of this format");
     const int64_t rows = inputs.size(0), tiles = packed.size(0), groups = packed.size(1);
     TORCH_CHECK(inputs.size(1) == groups * qp::kGroup, "inputs: ", groups * qp::kGroup, " features");
     TORCH_CHECK(out_features > (tiles - 1) * qp::kWidth && out_features <= tiles * qp::kWidth, "out_features: the packing's");
@@ -190,7 +218,9 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     const uint8_t* weights = packed.data_ptr<uint8_t>();
     const float* offsets = biased ? bias->data_ptr<float>() : nullptr;
     float* y = output.data_ptr<float>();
-    const int64_t bytes = qp::group_bytes(kind);
+    const int64_t bytes = qp::group_bytes(format);
+    const qp::Dequantizer dequantize = qp::dequantizer(format);
+    const int centre = format & qp::kCentred ? 8 : 0;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> dequantized(qp::kGroup * qp::kWidth);
         std::vector<float> partial(rows * qp::kWidth);
@@ -200,7 +230,7 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
             const int64_t column = t * qp::kWidth;
             const int64_t valid = std::min<int64_t>(qp::kWidth, out_features - column);
             for (int64_t g = 0; g < groups; ++g) {
-                qp::dequantize_group(kind, weights + (t * groups + g) * bytes, dequantized.data());
+                dequantize(weights + (t * groups + g) * bytes, centre, dequantized.data());
                 const bool first = g == 0, last = g == groups - 1;
                 for (int64_t row = 0; row < rows; row += qp::kRowsPerGroup) {
                     const int count = static_cast<int>(std::min<int64_t>(qp::kRowsPerGroup, rows - row));

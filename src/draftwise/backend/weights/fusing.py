@@ -18,8 +18,9 @@ import torch
 from .pages import gather_in_huge_pages
 from .products import Linear
 
-#: Builds a product from a weight and an optional bias (see :meth:`draftwise.backend.forward.lean.LeanTarget.linear`).
-ProductFactory = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]
+#: Builds a product from a weight, an optional bias and the model's projections fused into it (one module, or
+#: several stacked by outputs), whose own stored form (a file's quantised blocks) may be used instead of the weight.
+ProductFactory = Callable[[torch.Tensor, "torch.Tensor | None", "tuple[Any, ...]"], Linear]
 
 
 @dataclass
@@ -57,11 +58,12 @@ def fuse_layer(layer: Any, make_product: ProductFactory) -> LeanLayer:
     gate_up = (mlp.gate_proj, mlp.up_proj)
     return LeanLayer(
         attention_norm=layer.input_layernorm.weight.detach(),
-        qkv=make_product(torch.cat([projection.weight.detach() for projection in qkv]), _joined_bias(qkv)),
-        output=make_product(attention.o_proj.weight.detach(), _optional(attention.o_proj.bias)),
+        qkv=make_product(torch.cat([projection.weight.detach() for projection in qkv]), _joined_bias(qkv), qkv),
+        output=make_product(attention.o_proj.weight.detach(), _optional(attention.o_proj.bias), (attention.o_proj,)),
         mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=make_product(torch.cat([projection.weight.detach() for projection in gate_up]), _joined_bias(gate_up)),
-        down=make_product(mlp.down_proj.weight.detach(), _optional(mlp.down_proj.bias)),
+        gate_up=make_product(torch.cat([projection.weight.detach() for projection in gate_up]), _joined_bias(gate_up),
+                             gate_up),
+        down=make_product(mlp.down_proj.weight.detach(), _optional(mlp.down_proj.bias), (mlp.down_proj,)),
     )
 
 

@@ -1,11 +1,14 @@
-"""Weights kept in GGUF's block quantisations (Q8_0, Q4_0) for the compiled ``quantized_linear`` product.
+"""Weights kept in GGUF's block quantisations for the compiled ``quantized_linear`` product.
 
-A GGUF file stores a ``(out_features, in_features)`` matrix row by row in blocks of 32 inputs: Q8_0 a float16 scale
-and 32 int8 quants (weight = scale * quant), Q4_0 a float16 scale and 32 four-bit quants (weight = scale * (quant -
-8)). :func:`pack` repacks those blocks once into the kernel's tiles of 64 outputs (the layout is described in
-``native/quantized.cpp``), the scales widened to float32; :func:`quantize` makes such blocks from float weights with
-the ``gguf`` package's own quantiser, :func:`dequantize` turns them back into float32 with its dequantiser (the
-reference every test compares with).
+A GGUF file stores a ``(out_features, in_features)`` matrix row by row in blocks: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 in
+blocks of 32 inputs with a float16 scale (and, for the ``_1`` types, a float16 offset), the k-quants Q4_K, Q5_K and
+Q6_K in super-blocks of 256 whose sub-blocks of 32 (16 for Q6_K) get scales (and offsets) from small integers times a
+float16. Whatever the type, every weight is ``scale * quant + offset`` where ``scale * quant`` is exact in float32
+(at most 24 significant bits: a float16 times at most 13 more bits), so one rounding at most, the addition; gguf's own
+dequantisation computes the same. :func:`decode` turns any of these types into that common form
+(:class:`QuantizedMatrix`: per 32 inputs one or two float32 scales, an optional float32 offset, small integer quants),
+and :func:`pack` lays it out once in the kernel's tiles of 64 outputs (see ``native/quantized.cpp``): quants in
+nibbles where they fit in four bits, else one byte each.
 
 The product dequantises each tile's group of 32 inputs once per call for all rows and sums every output in one fixed
 order, so a row's result never depends on the other rows of the call, and equals, bit for bit, the float32 blocked
@@ -14,6 +17,7 @@ product (:mod:`draftwise.backend.weights.products`) of the dequantised matrix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,19 +25,22 @@ import torch
 
 from .products import Linear
 
-#: Quantisations the kernel runs, by name: the kernel's code for each.
-KINDS = {"q8_0": 0, "q4_0": 1}
-#: Outputs per tile and inputs per block of the packed layout.
+#: Quantisations weights can be quantised to on load, by name (``load_model(weights=...)``).
+KINDS = ("q8_0", "q4_0")
+#: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
+FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+#: Outputs per tile and inputs per group of the packed layout.
 TILE_OUTPUTS = 64
 BLOCK_INPUTS = 32
+#: The packed layout's format bits (``native/quantized.cpp``): quants in nibbles, an offset per group, a scale per
+#: half group (16 inputs), nibbles centred on 8 (quant = nibble - 8, Q4_0's form).
+NIBBLES, OFFSETS, HALVES, CENTRED = 1, 2, 4, 8
 
 
-def _quant_type(kind: str) -> Any:
+def _gguf_type(name: str) -> Any:
     from gguf import GGMLQuantizationType
 
-    if kind not in KINDS:
-        raise ValueError(f"unknown quantisation {kind!r}: use one of {', '.join(KINDS)}")
-    return {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}[kind]
+    return GGMLQuantizationType[name.upper()]
 
 
 def quantize(weight: torch.Tensor, kind: str) -> np.ndarray:
@@ -41,76 +48,226 @@ def quantize(weight: torch.Tensor, kind: str) -> np.ndarray:
     a GGUF file holds for the matrix (the ``gguf`` package's quantiser)."""
     from gguf import quants
 
-    quant_type = _quant_type(kind)
+    if kind not in KINDS:
+        raise ValueError(f"unknown quantisation {kind!r}: use one of {', '.join(KINDS)}")
     if weight.dim() != 2 or weight.shape[1] % BLOCK_INPUTS:
         raise ValueError(f"{kind} quantises (out, in) matrices with in a multiple of {BLOCK_INPUTS}, not "
                          f"{tuple(weight.shape)}")
-    return quants.quantize(weight.detach().float().cpu().numpy(), quant_type)
+    return quants.quantize(weight.detach().float().cpu().numpy(), _gguf_type(kind))
 
 
 def dequantize(blocks: np.ndarray, kind: str) -> torch.Tensor:
     """GGUF ``kind`` blocks (one row of bytes per output) as float32 weights ``(out, in)`` (the ``gguf`` package's
-    dequantiser)."""
+    dequantiser: the reference every test compares with)."""
     from gguf import quants
 
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(np.asarray(blocks, dtype=np.uint8),
-                                                                   _quant_type(kind))))
+                                                                   _gguf_type(kind))))
 
 
-def pack(blocks: np.ndarray, kind: str) -> torch.Tensor:
-    """GGUF ``kind`` blocks ``(out, in / 32 * block bytes)`` repacked for ``quantized_linear``: ``(tiles, groups,
-    bytes)`` uint8, outputs past ``out`` zero."""
-    _quant_type(kind)
+@dataclass
+class QuantizedMatrix:
+    """A block-quantised ``(out, in)`` matrix in the common form: weight ``[o, i] = scales[o, i // 32, (i % 32) //
+    16] * quants[o, i] + offsets[o, i // 32]`` (no offset where ``offsets`` is ``None``).
+
+    Attributes:
+        scales: ``(out, in / 32, 2)`` float32 (both halves equal where the type has one scale per 32 inputs).
+        offsets: ``(out, in / 32)`` float32, or ``None``.
+        quants: ``(out, in)`` int8.
+        halves: whether the two halves' scales may differ (Q6_K).
+        types: the GGUF types it came from (for reports).
+    """
+
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    quants: np.ndarray
+    halves: bool
+    types: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.quants.shape
+
+    @property
+    def nibbles(self) -> int | None:
+        """What every quant's nibble is offset by (0: quants in 0..15, 8: in -8..7), ``None`` where they need more
+        than four bits."""
+        low, high = (int(self.quants.min()), int(self.quants.max())) if self.quants.size else (0, 0)
+        if low >= 0 and high <= 15:
+            return 0
+        if low >= -8 and high <= 7:
+            return 8
+        return None
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights (the values gguf's dequantisation gives)."""
+        out, inputs = self.shape
+        scales = np.repeat(self.scales, 16, axis=2).reshape(out, inputs)
+        values = scales * self.quants.astype(np.float32)
+        if self.offsets is not None:
+            values = values + np.repeat(self.offsets, BLOCK_INPUTS, axis=1)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def rows(self, order: np.ndarray) -> QuantizedMatrix:
+        """The matrix with its outputs in ``order``."""
+        offsets = None if self.offsets is None else self.offsets[order]
+        return QuantizedMatrix(self.scales[order], offsets, self.quants[order], self.halves, self.types)
+
+    @staticmethod
+    def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
+        """``parts`` one above the other (outputs concatenated), in a form that holds them all."""
+        if len({part.shape[1] for part in parts}) != 1:
+            raise ValueError("stacked matrices need the same number of inputs")
+        offsets = None
+        if any(part.offsets is not None for part in parts):
+            # -0.0 adds nothing to any float, +0.0 included: the parts without offsets keep their exact values.
+            offsets = np.concatenate([part.offsets if part.offsets is not None
+                                      else np.full(part.scales.shape[:2], -0.0, np.float32) for part in parts])
+        return QuantizedMatrix(np.concatenate([part.scales for part in parts]), offsets,
+                               np.concatenate([part.quants for part in parts]), any(part.halves for part in parts),
+                               tuple(dict.fromkeys(kind for part in parts for kind in part.types)))
+
+
+def _half_floats(data: np.ndarray) -> np.ndarray:
+    return data.copy().view(np.float16).astype(np.float32)
+
+
+def _low_high(data: np.ndarray, width: int) -> np.ndarray:
+    """Bytes holding element j in the low nibble and element j + ``width`` in the high one, as elements."""
+    return np.concatenate([data & 15, data >> 4], axis=-1).reshape(*data.shape[:-1], 2 * width)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's twelve bytes of 6-bit scales and offsets: eight of each (gguf's unpacking)."""
+    scales = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, m_d = scales[..., 0, :], scales[..., 1, :], scales[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mins.astype(np.float32)
+
+
+def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
+    """A GGUF matrix's blocks (``(out, bytes per row)`` uint8, as a file holds them) in the common form.
+
+    Raises:
+        ValueError: a type not in :data:`FILE_TYPES`, or blocks of the wrong size.
+    """
+    type_name = type_name.upper()
+    if type_name not in FILE_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no quantised product here; types: {', '.join(FILE_TYPES)}")
+    from gguf import GGML_QUANT_SIZES
+
+    block_inputs, block_bytes = GGML_QUANT_SIZES[_gguf_type(type_name)]
     blocks = np.asarray(blocks, dtype=np.uint8)
-    block_bytes = 34 if kind == "q8_0" else 18
     if blocks.ndim != 2 or blocks.shape[1] % block_bytes:
-        raise ValueError(f"{kind} blocks are rows of {block_bytes}-byte blocks, not an array of shape {blocks.shape}")
-    out_features, groups = blocks.shape[0], blocks.shape[1] // block_bytes
-    tiles = -(-out_features // TILE_OUTPUTS)
-    padded = np.zeros((tiles * TILE_OUTPUTS, groups, block_bytes), dtype=np.uint8)
-    padded[:out_features] = blocks.reshape(out_features, groups, block_bytes)
-    # Scales: float16 -> float32, (tiles, groups, 64 outputs).
-    scales = padded[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    scales = scales.reshape(tiles, TILE_OUTPUTS, groups).transpose(0, 2, 1)
-    quants = padded[:, :, 2:].reshape(tiles, TILE_OUTPUTS, groups, block_bytes - 2).transpose(0, 2, 3, 1)
-    if kind == "q8_0":  # (tiles, groups, 32 inputs, 64 outputs) int8
-        body = quants
-    else:  # GGUF: byte j of a block holds input j (low nibble) and input j + 16 (high nibble)
-        nibbles = np.concatenate([quants & 15, quants >> 4], axis=2)  # (tiles, groups, 32 inputs, 64 outputs)
+        raise ValueError(f"{type_name} blocks are rows of {block_bytes}-byte blocks, not an array of shape "
+                         f"{blocks.shape}")
+    out, count = blocks.shape[0], blocks.shape[1] // block_bytes
+    data = blocks.reshape(out, count, block_bytes)
+    halves = False
+    offsets = None
+    if block_inputs == BLOCK_INPUTS:
+        scale = _half_floats(data[..., :2])[..., 0]  # (out, groups)
+        if type_name == "Q8_0":
+            quants = data[..., 2:].view(np.int8)
+        elif type_name == "Q4_0":
+            quants = _low_high(data[..., 2:], 16).astype(np.int16) - 8
+        elif type_name == "Q4_1":
+            quants, offsets = _low_high(data[..., 4:], 16), _half_floats(data[..., 2:4])[..., 0]
+        else:  # Q5_0, Q5_1: four bytes of fifth bits, then nibbles
+            start = 2 if type_name == "Q5_0" else 4
+            high = np.unpackbits(data[..., start : start + 4], axis=-1, bitorder="little")
+            quants = _low_high(data[..., start + 4 :], 16) | (high << 4)
+            if type_name == "Q5_0":
+                quants = quants.astype(np.int16) - 16
+            else:
+                offsets = _half_floats(data[..., 2:4])[..., 0]
+        scales = np.repeat(scale[..., None], 2, axis=2)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _half_floats(data[..., 0:2]), _half_floats(data[..., 2:4])  # (out, count, 1)
+        sc, mins = _k_scales(data[..., 4:16])  # (out, count, 8)
+        scales = np.repeat((d * sc).reshape(out, count * 8, 1), 2, axis=2)
+        offsets = -(dmin * mins).reshape(out, count * 8)
+        if type_name == "Q4_K":  # 32 bytes hold sub-blocks 2j (low nibbles) and 2j + 1 (high)
+            quants = _low_high(data[..., 16:].reshape(out, count, 4, 32), 32)
+        else:
+            high = data[..., 16:48]  # bit j of byte i: sub-block j's fifth bit of input i
+            low = _low_high(data[..., 48:].reshape(out, count, 4, 32), 32).reshape(out, count, 8, 32)
+            bits = (high[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+            quants = low | (bits << 4)
+    else:  # Q6_K: 128 bytes low nibbles, 64 bytes of high pairs, 16 int8 scales, a float16
+        ql = data[..., :128].reshape(out, count, 2, 64)
+        low = np.concatenate([ql & 15, ql >> 4], axis=-1).reshape(out, count, 2, 4, 32)
+        qh = data[..., 128:192].reshape(out, count, 2, 1, 32)
+        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+        quants = (low | (high << 4)).astype(np.int16) - 32
+        scale = data[..., 192:208].view(np.int8).astype(np.float32) * _half_floats(data[..., 208:210])
+        scales = scale.reshape(out, count * 8, 2)
+        halves = True
+    quants = np.ascontiguousarray(np.asarray(quants).reshape(out, -1).astype(np.int8))
+    offsets = None if offsets is None else np.ascontiguousarray(offsets.reshape(out, -1), dtype=np.float32)
+    return QuantizedMatrix(np.ascontiguousarray(scales, dtype=np.float32), offsets, quants, halves, (type_name,))
+
+
+def layout_format(matrix: QuantizedMatrix) -> int:
+    """The packed layout's format bits for ``matrix``."""
+    centre = matrix.nibbles
+    nibbles = 0 if centre is None else NIBBLES | (CENTRED if centre else 0)
+    return nibbles | (OFFSETS if matrix.offsets is not None else 0) | (HALVES if matrix.halves else 0)
+
+
+def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
+    """``matrix`` repacked for ``quantized_linear``: ``(tiles, groups, bytes)`` uint8 (outputs past ``out`` zero)
+    and its format bits. A group holds the 64 outputs' scales as float32 (two rows of them with :data:`HALVES`), their
+    offsets (with :data:`OFFSETS`), then the quants input by input: one int8 per output, or with :data:`NIBBLES`
+    32 bytes, output o in the low nibble of byte o and output o + 32 in the high one (each nibble the quant + 8 with
+    :data:`CENTRED`)."""
+    layout = layout_format(matrix)
+    out, inputs = matrix.shape
+    groups, tiles = inputs // BLOCK_INPUTS, -(-out // TILE_OUTPUTS)
+    padded_rows = tiles * TILE_OUTPUTS
+
+    def tiled(values: np.ndarray) -> np.ndarray:  # (out, groups, k) -> (tiles, groups, k, 64)
+        full = np.zeros((padded_rows, *values.shape[1:]), values.dtype)
+        full[:out] = values
+        return full.reshape(tiles, TILE_OUTPUTS, groups, -1).transpose(0, 2, 3, 1)
+
+    parts = [tiled(matrix.scales if layout & HALVES else matrix.scales[..., :1])]
+    if layout & OFFSETS:
+        parts.append(tiled(matrix.offsets[..., None]))
+    quants = tiled(matrix.quants.reshape(out, groups, BLOCK_INPUTS))  # (tiles, groups, 32 inputs, 64 outputs)
+    if layout & NIBBLES:
         half = TILE_OUTPUTS // 2
-        body = nibbles[..., :half] | (nibbles[..., half:] << 4)  # output o low, output o + 32 high
-    layout = np.concatenate([
-        np.ascontiguousarray(scales).view(np.uint8).reshape(tiles, groups, -1),
-        np.ascontiguousarray(body).reshape(tiles, groups, -1),
-    ], axis=2)
-    return torch.from_numpy(np.ascontiguousarray(layout))
+        quants = (quants.astype(np.int16) + (8 if layout & CENTRED else 0)).astype(np.uint8)
+        quants = quants[..., :half] | (quants[..., half:] << 4)
+    parts.append(quants)
+    packed = np.concatenate([np.ascontiguousarray(part).view(np.uint8).reshape(tiles, groups, -1) for part in parts],
+                            axis=2)
+    return torch.from_numpy(np.ascontiguousarray(packed)), layout
 
 
 class QuantizedLinear(Linear):
-    """``y = x @ W.T + bias`` over float32 rows, ``W`` kept as GGUF ``kind`` blocks repacked once (see the module
-    notes): a :class:`~draftwise.backend.weights.products.Linear` whose rows need no padding (``min_rows`` 1 gives
-    every row its bits alone).
+    """``y = x @ W.T + bias`` over float32 rows, ``W`` kept block-quantised and repacked once (see the module notes):
+    a :class:`~draftwise.backend.weights.products.Linear` whose rows need no padding (``min_rows`` 1 gives every row
+    its bits alone).
 
     Args:
-        blocks: the matrix's GGUF blocks, one row of bytes per output (from a GGUF file or :func:`quantize`).
-        kind: ``"q8_0"`` or ``"q4_0"``.
-        in_features: inputs per row.
+        matrix: the weights (:func:`decode` of a GGUF file's blocks, or :meth:`from_weight`).
         bias: ``(out_features,)`` or ``None`` (kept in float32).
         kernels: the compiled kernels' module (:func:`draftwise.backend.native.load_kernels`).
         min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
     """
 
-    def __init__(self, blocks: np.ndarray, kind: str, in_features: int, bias: torch.Tensor | None, kernels: Any,
-                 min_rows: int = 1, fixed_rows: bool = False) -> None:
-        packed = pack(blocks, kind)
-        if packed.shape[1] * BLOCK_INPUTS != in_features:
-            raise ValueError(f"the blocks hold {packed.shape[1] * BLOCK_INPUTS} inputs per row, not {in_features}")
-        self.kind = kind
+    def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, kernels: Any, min_rows: int = 1,
+                 fixed_rows: bool = False) -> None:
+        if matrix.shape[1] % BLOCK_INPUTS:
+            raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {matrix.shape[1]}")
+        self.weight, self.format = pack(matrix)
+        self.types = matrix.types
         self.kernels = kernels
-        self.out_features, self.in_features = int(np.asarray(blocks).shape[0]), in_features
+        self.out_features, self.in_features = matrix.shape
         self.blocked = None
         self.packed = False
-        self.weight = packed
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.min_rows = min_rows
         self.fixed_rows = fixed_rows
@@ -119,15 +276,15 @@ class QuantizedLinear(Linear):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, kernels: Any,
                     min_rows: int = 1) -> QuantizedLinear:
         """``weight`` ``(out, in)`` quantised to ``kind`` (:func:`quantize`)."""
-        return cls(quantize(weight, kind), kind, weight.shape[1], bias, kernels, min_rows)
+        return cls(decode(quantize(weight, kind), kind), bias, kernels, min_rows)
 
     @property
     def quantization(self) -> str:
-        return self.kind
+        return "+".join(kind.lower() for kind in self.types)
 
     def _product(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.dtype != torch.float32:
             raise TypeError(f"quantised products take float32 rows, not {inputs.dtype}")
         if inputs.stride(-1) != 1:
             inputs = inputs.contiguous()
-        return self.kernels.quantized_linear(inputs, self.weight, KINDS[self.kind], self.bias, self.out_features)
+        return self.kernels.quantized_linear(inputs, self.weight, self.format, self.bias, self.out_features)

@@ -152,6 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_model=args.draft_model,
         dtype=args.dtype,
         backend=args.backend,
+        weights=args.weights,
         device=args.device,
         threads=args.threads,
         cache_dir=args.cache_dir,

@@ -35,7 +35,7 @@ from ..decoding.latency import LatencyModel
 from ..decoding.sampling import SamplingParams
 from ..drafters import check_method, make_drafter, parse_method
 from ..errors import InvalidRequestError, UnsupportedOptionError
-from .anchors import ANCHOR_ROWS, LlamaCppRunner, anchor_gguf
+from .anchors import ANCHOR_ROWS, LlamaCppRunner, anchor_gguf, source_gguf
 from .batched import BatchRecord, run_batched
 from .environment import PeakMemoryMeter, bandwidth_floor, environment
 from .metrics import summarize
@@ -475,7 +475,9 @@ class BenchSettings:
     Attributes:
         methods: method specs and transformers rows (``ar`` is added first when missing).
         model, draft_model: presets, GGUF files or checkpoint folders (``draft_model`` adds ``hf-assisted``).
-        dtype, backend, device, threads, cache_dir: how the models are loaded (see :func:`draftwise.load_model`).
+        dtype, backend, weights, device, threads, cache_dir: how the models are loaded (see
+            :func:`draftwise.load_model`); with ``weights="file"`` the llama.cpp rows run the very GGUF file the target
+            runs, else the file rewritten at the target's float width.
         budgets: draft budgets to sweep (``None``: each method at the engine's default).
         dataset, data, categories, per_category, seed_prompts: which prompts (see
             :func:`~draftwise.bench.prompts.load_dataset`); max_prompts: at most this many of them, the categories
@@ -489,6 +491,7 @@ class BenchSettings:
     draft_model: str | None = None
     dtype: str = "auto"
     backend: str = "auto"
+    weights: str | None = None
     device: str = "cpu"
     threads: int | None = None
     cache_dir: str | None = None
@@ -565,7 +568,7 @@ class Benchmark:
         else:
             model, tokenizer = load_model(
                 settings.model, dtype=settings.dtype, device=settings.device, cache_dir=settings.cache_dir,
-                backend=settings.backend,
+                backend=settings.backend, weights=settings.weights,
             )
         draft_model = None
         if settings.draft_model:
@@ -599,7 +602,10 @@ class Benchmark:
         anchors = {}
         wanted = [method for method in settings.methods if method in ANCHOR_ROWS]
         if wanted:
-            gguf = anchor_gguf(settings.model, model.dtype, settings.cache_dir)
+            if settings.weights == "file":  # the very file the target runs, as shipped
+                gguf = source_gguf(settings.model)
+            else:  # the file's matrices at the width the target reads them
+                gguf = anchor_gguf(settings.model, model.dtype, settings.cache_dir)
             config["anchor_gguf"] = gguf.name
             for method in wanted:
                 anchors[method] = LlamaCppRunner(

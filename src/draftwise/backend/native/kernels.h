@@ -34,11 +34,12 @@ at::Tensor sampling_probabilities(const at::Tensor& logits, double temperature, 
 // A model's decoder layers over packed weights (see layers.cpp).
 class DecoderLayers {
    public:
-    // Per layer, in order: norms (attention's, the MLP's), packed weights and biases (an undefined tensor: none) of
-    // the products qkv, output, gate_up, down; ``out_features`` of those four products.
+    // Per layer, in order: norms (attention's, the MLP's), packed weights, biases (an undefined tensor: none) and
+    // formats (-1: blocked_linear's float weights, else quantized_linear's format bits) of the products qkv, output,
+    // gate_up, down; ``out_features`` of those four products.
     DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
-                  std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> out_features, int64_t heads,
-                  int64_t kv_heads, double eps, double scale);
+                  std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> formats,
+                  std::vector<int64_t> out_features, int64_t heads, int64_t kv_heads, double eps, double scale);
 
     // Every layer over ``hidden`` (rows, dim); returns the last layer's hidden states and every layer's keys and
     // values of the rows, (layers, rows, kv_heads, head_dim) each.
@@ -55,7 +56,7 @@ class DecoderLayers {
 
     std::vector<at::Tensor> norms_, weights_;
     std::vector<c10::optional<at::Tensor>> biases_;
-    std::vector<int64_t> out_features_;
+    std::vector<int64_t> formats_, out_features_;
     int64_t heads_, kv_heads_;
     double eps_, scale_;
 };

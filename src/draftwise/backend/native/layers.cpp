@@ -17,14 +17,16 @@ enum Product { kQkv = 0, kOutput = 1, kGateUp = 2, kDown = 3 };
 }  // namespace
 
 DecoderLayers::DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
-                             std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> out_features,
-                             int64_t heads, int64_t kv_heads, double eps, double scale)
-    : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)),
+                             std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> formats,
+                             std::vector<int64_t> out_features, int64_t heads, int64_t kv_heads, double eps,
+                             double scale)
+    : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)), formats_(std::move(formats)),
       out_features_(std::move(out_features)), heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
     TORCH_CHECK(norms_.size() % 2 == 0 && !norms_.empty(), "norms: two per layer");
     const size_t layers = norms_.size() / 2;
-    TORCH_CHECK(weights_.size() == kProducts * layers && biases_.size() == kProducts * layers,
-                "weights and biases: four per layer");
+    TORCH_CHECK(weights_.size() == kProducts * layers && biases_.size() == kProducts * layers &&
+                    formats_.size() == kProducts * layers,
+                "weights, biases and formats: four per layer");
     TORCH_CHECK(out_features_.size() == kProducts, "out_features: one per product");
 }
 
@@ -35,7 +37,9 @@ at::Tensor DecoderLayers::product(const at::Tensor& inputs, int64_t layer, int w
     at::Tensor padded = inputs.stride(1) == 1 ? inputs : inputs.contiguous();
     if (rows < min_rows) padded = at::cat({padded, padded.new_zeros({min_rows - rows, padded.size(1)})});
     const size_t index = kProducts * layer + which;
-    auto output = blocked_linear(padded, weights_[index], biases_[index], out_features_[which]);
+    auto output = formats_[index] < 0
+                      ? blocked_linear(padded, weights_[index], biases_[index], out_features_[which])
+                      : quantized_linear(padded, weights_[index], formats_[index], biases_[index], out_features_[which]);
     return rows < min_rows ? output.narrow(0, 0, rows) : output;
 }
 

@@ -122,21 +122,91 @@ inline __m256i lane_mask(int count) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Rows x (8 Blocks) outputs over one group: sums from zero (first) or ``partial`` (row stride kWidth); after the last
-// group bias added and the first ``valid`` outputs stored, else the sums back to ``partial``.
-template <int Rows, int Blocks>
-void pass(const float* const* inputs, const float* weights, float* partial, bool first, bool last, const float* bias,
-          float* const* outputs, int64_t valid) {
+// A dequantised group in the 8 KB buffer: weight (input p, output o).
+struct Buffered {
+    static constexpr bool kPairs = false;
+    const float* weights;
+    __m256 at(int64_t p, int64_t o) const { return _mm256_loadu_ps(weights + p * kWidth + o); }
+    void pair(int64_t, int64_t, __m256&, __m256&) const {}
+};
+
+// A packed group read directly: the weights of eight outputs computed in registers, exactly as dequantize_group
+// computes them (scale * quant, then + offset), for calls of a few rows, which would each use a buffered value once.
+template <bool Nibbles, bool Offsets, bool Halves>
+struct InRegisters {
+    // Nibbles: outputs o and o + 32 share their bytes, so a pass over all 64 outputs reads each byte once.
+    static constexpr bool kPairs = Nibbles;
+    const float* scales;
+    const float* offsets;
+    const uint8_t* quants;
+    __m256i centre;
+
+    InRegisters(const uint8_t* source, int centre_by)
+        : scales(reinterpret_cast<const float*>(source)),
+          offsets(scales + (Halves ? 2 : 1) * kWidth),
+          quants(source + ((Halves ? 2 : 1) + (Offsets ? 1 : 0)) * kWidth * static_cast<int64_t>(sizeof(float))),
+          centre(_mm256_set1_epi32(centre_by)) {}
+
+    __m256 at(int64_t p, int64_t o) const {
+        __m256i quant;
+        if (Nibbles) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * (kWidth / 2) + o % (kWidth / 2))));
+            quant = o < kWidth / 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+            quant = _mm256_sub_epi32(quant, centre);
+        } else {
+            quant = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kWidth + o)));
+        }
+        __m256 value = _mm256_mul_ps(_mm256_loadu_ps(scales + (Halves && p >= kGroup / 2 ? kWidth : 0) + o),
+                                     _mm256_cvtepi32_ps(quant));
+        if (Offsets) value = _mm256_add_ps(value, _mm256_loadu_ps(offsets + o));
+        return value;
+    }
+
+    // The weights of outputs o..o+7 (o < 32, their low nibbles) and o+32..o+39 (the high ones).
+    void pair(int64_t p, int64_t o, __m256& first, __m256& second) const {
+        const __m256i bytes = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * (kWidth / 2) + o)));
+        const __m256i low = _mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), centre);
+        const __m256i high = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), centre);
+        const float* scale = scales + (Halves && p >= kGroup / 2 ? kWidth : 0);
+        first = _mm256_mul_ps(_mm256_loadu_ps(scale + o), _mm256_cvtepi32_ps(low));
+        second = _mm256_mul_ps(_mm256_loadu_ps(scale + o + kWidth / 2), _mm256_cvtepi32_ps(high));
+        if (Offsets) {
+            first = _mm256_add_ps(first, _mm256_loadu_ps(offsets + o));
+            second = _mm256_add_ps(second, _mm256_loadu_ps(offsets + o + kWidth / 2));
+        }
+    }
+};
+
+// Rows x (8 Blocks) outputs from ``column`` over one group: sums from zero (first) or ``partial`` (row stride kWidth);
+// after the last group bias added and the first ``valid`` outputs stored, else the sums back to ``partial``.
+template <int Rows, int Blocks, typename Weights>
+void pass(const float* const* inputs, const Weights& weights, int64_t column, float* partial, bool first, bool last,
+          const float* bias, float* const* outputs, int64_t valid) {
     __m256 sums[Rows][Blocks];
     for (int r = 0; r < Rows; ++r)
         for (int b = 0; b < Blocks; ++b)
             sums[r][b] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + r * kWidth + b * kLanes);
-    for (int64_t p = 0; p < kGroup; ++p)
-        for (int b = 0; b < Blocks; ++b) {
-            const __m256 w = _mm256_loadu_ps(weights + p * kWidth + b * kLanes);
-            for (int r = 0; r < Rows; ++r)
-                sums[r][b] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(inputs[r] + p), sums[r][b]);
-        }
+    if constexpr (Weights::kPairs && Blocks == 8) {  // the whole tile: blocks b and b + 4 from the same bytes
+        for (int64_t p = 0; p < kGroup; ++p)
+            for (int b = 0; b < Blocks / 2; ++b) {
+                __m256 first_half, second_half;
+                weights.pair(p, b * kLanes, first_half, second_half);
+                for (int r = 0; r < Rows; ++r) {
+                    const __m256 input = _mm256_broadcast_ss(inputs[r] + p);
+                    sums[r][b] = _mm256_fmadd_ps(first_half, input, sums[r][b]);
+                    sums[r][b + Blocks / 2] = _mm256_fmadd_ps(second_half, input, sums[r][b + Blocks / 2]);
+                }
+            }
+    } else {
+        for (int64_t p = 0; p < kGroup; ++p)
+            for (int b = 0; b < Blocks; ++b) {
+                const __m256 w = weights.at(p, column + b * kLanes);
+                for (int r = 0; r < Rows; ++r)
+                    sums[r][b] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(inputs[r] + p), sums[r][b]);
+            }
+    }
     if (!last) {
         for (int r = 0; r < Rows; ++r)
             for (int b = 0; b < Blocks; ++b) _mm256_storeu_ps(partial + r * kWidth + b * kLanes, sums[r][b]);
@@ -155,20 +225,21 @@ void pass(const float* const* inputs, const float* weights, float* partial, bool
 
 // Up to four rows over one group, in passes over the tile's eight blocks of eight outputs (one row: all eight at once,
 // eight independent sums; two rows four; three or four rows two).
-template <int Rows>
-void group_rows(const float* const* inputs, const float* weights, float* partial, bool first, bool last,
+template <int Rows, typename Weights>
+void group_rows(const float* const* inputs, const Weights& weights, float* partial, bool first, bool last,
                 const float* bias, float* const* outputs, int64_t valid) {
     constexpr int kBlocks = Rows == 1 ? 8 : Rows == 2 ? 4 : 2;
     float* shifted[Rows];
     for (int64_t column = 0; column < valid; column += kBlocks * kLanes) {
         for (int r = 0; r < Rows; ++r) shifted[r] = outputs[r] + column;
-        pass<Rows, kBlocks>(inputs, weights + column, partial + column, first, last,
+        pass<Rows, kBlocks>(inputs, weights, column, partial + column, first, last,
                             bias == nullptr ? nullptr : bias + column, shifted, valid - column);
     }
 }
 
-void rows_over_group(int rows, const float* const* inputs, const float* weights, float* partial, bool first, bool last,
-                     const float* bias, float* const* outputs, int64_t valid) {
+template <typename Weights>
+void rows_with(int rows, const float* const* inputs, const Weights& weights, float* partial, bool first, bool last,
+               const float* bias, float* const* outputs, int64_t valid) {
     switch (rows) {
         case 1: group_rows<1>(inputs, weights, partial, first, last, bias, outputs, valid); break;
         case 2: group_rows<2>(inputs, weights, partial, first, last, bias, outputs, valid); break;
@@ -176,6 +247,34 @@ void rows_over_group(int rows, const float* const* inputs, const float* weights,
         default: group_rows<4>(inputs, weights, partial, first, last, bias, outputs, valid); break;
     }
 }
+
+void rows_over_group(int rows, const float* const* inputs, const float* weights, float* partial, bool first, bool last,
+                     const float* bias, float* const* outputs, int64_t valid) {
+    rows_with(rows, inputs, Buffered{weights}, partial, first, last, bias, outputs, valid);
+}
+
+// At most kRowsPerGroup rows over one group read straight from its packed bytes (no buffer): the same weights, the
+// same sums in the same order as rows_over_group over the dequantised group, so the same bits.
+template <bool Nibbles, bool Offsets, bool Halves>
+void rows_over_packed_group(int rows, const float* const* inputs, const uint8_t* source, int centre, float* partial,
+                            bool first, bool last, const float* bias, float* const* outputs, int64_t valid) {
+    rows_with(rows, inputs, InRegisters<Nibbles, Offsets, Halves>(source, centre), partial, first, last, bias, outputs,
+              valid);
+}
+
+using PackedRows = void (*)(int, const float* const*, const uint8_t*, int, float*, bool, bool, const float*,
+                            float* const*, int64_t);
+
+PackedRows packed_rows(int64_t format) {
+    static const PackedRows table[8] = {
+        rows_over_packed_group<false, false, false>, rows_over_packed_group<true, false, false>,
+        rows_over_packed_group<false, true, false>,  rows_over_packed_group<true, true, false>,
+        rows_over_packed_group<false, false, true>,  rows_over_packed_group<true, false, true>,
+        rows_over_packed_group<false, true, true>,   rows_over_packed_group<true, true, true>,
+    };
+    return table[format & 7];
+}
+constexpr bool kReadsPackedGroups = true;
 #else
 // The same sums one fused multiply-add at a time (std::fma rounds once, as the vector instruction does).
 void rows_over_group(int rows, const float* const* inputs, const float* weights, float* partial, bool first, bool last,
@@ -190,6 +289,11 @@ void rows_over_group(int rows, const float* const* inputs, const float* weights,
                 partial[r * kWidth + o] = sum;
         }
 }
+
+using PackedRows = void (*)(int, const float* const*, const uint8_t*, int, float*, bool, bool, const float*,
+                            float* const*, int64_t);
+inline PackedRows packed_rows(int64_t) { return nullptr; }
+constexpr bool kReadsPackedGroups = false;
 #endif
 
 }  // namespace quantized_products
@@ -221,6 +325,8 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     const int64_t bytes = qp::group_bytes(format);
     const qp::Dequantizer dequantize = qp::dequantizer(format);
     const int centre = format & qp::kCentred ? 8 : 0;
+    const qp::PackedRows read_packed = qp::packed_rows(format);
+    const bool direct = qp::kReadsPackedGroups && rows <= qp::kRowsPerGroup;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> dequantized(qp::kGroup * qp::kWidth);
         std::vector<float> partial(rows * qp::kWidth);
@@ -230,8 +336,18 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
             const int64_t column = t * qp::kWidth;
             const int64_t valid = std::min<int64_t>(qp::kWidth, out_features - column);
             for (int64_t g = 0; g < groups; ++g) {
-                dequantize(weights + (t * groups + g) * bytes, centre, dequantized.data());
+                const uint8_t* group = weights + (t * groups + g) * bytes;
                 const bool first = g == 0, last = g == groups - 1;
+                if (direct) {  // a few rows: each weight is used once, computed in registers
+                    for (int r = 0; r < rows; ++r) {
+                        row_inputs[r] = x + r * x_stride + g * qp::kGroup;
+                        row_outputs[r] = y + r * out_features + column;
+                    }
+                    read_packed(static_cast<int>(rows), row_inputs, group, centre, partial.data(), first, last,
+                                offsets == nullptr ? nullptr : offsets + column, row_outputs, valid);
+                    continue;
+                }
+                dequantize(group, centre, dequantized.data());
                 for (int64_t row = 0; row < rows; row += qp::kRowsPerGroup) {
                     const int count = static_cast<int>(std::min<int64_t>(qp::kRowsPerGroup, rows - row));
                     for (int r = 0; r < count; ++r) {

@@ -167,13 +167,22 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "weights"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "q4_0")])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, kind, tmp_path):
+def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, kind, tmp_path):
     """The decoder layers as one compiled call give the logits and the cache contents of the Python loop over the
-    same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections)."""
+    same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections;
+    q4_0: the quantised products)."""
+    from draftwise.backend.calibration.invariance import plan_rows
+    from draftwise.backend.calibration.machine import MeasurementStore
+    from draftwise.backend.forward.lean import LeanTarget
+
     model = make_tiny_model(kind, seed=1).to(dtype)
-    target = planned(model, tmp_path)
+    if weights is None:
+        target = planned(model, tmp_path)
+    else:
+        target = LeanTarget(model, quantization=weights)
+        plan_rows(target, MeasurementStore(tmp_path))
     if target.compiled_layers is None:
         pytest.skip(f"the blocked products do not run {dtype} on this CPU")
     assert len(target.compiled_layers) == model.config.num_hidden_layers

@@ -89,7 +89,7 @@ class QuantizedMatrix:
         return self.quants.shape
 
     @property
-    def nibbles(self) -> int | None:
+    def nibble_centre(self) -> int | None:
         """What every quant's nibble is offset by (0: quants in 0..15, 8: in -8..7), ``None`` where they need more
         than four bits."""
         low, high = (int(self.quants.min()), int(self.quants.max())) if self.quants.size else (0, 0)
@@ -211,7 +211,7 @@ def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
 
 def layout_format(matrix: QuantizedMatrix) -> int:
     """The packed layout's format bits for ``matrix``."""
-    centre = matrix.nibbles
+    centre = matrix.nibble_centre
     nibbles = 0 if centre is None else NIBBLES | (CENTRED if centre else 0)
     return nibbles | (OFFSETS if matrix.offsets is not None else 0) | (HALVES if matrix.halves else 0)
 

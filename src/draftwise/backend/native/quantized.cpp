@@ -48,90 +48,10 @@ int64_t group_bytes(int64_t format) {
     return scales + offsets + (format & kNibbles ? kGroup * kWidth / 2 : kGroup * kWidth);
 }
 
-// One tile's group of 32 inputs as float32 weights, [input][output]: scale * quant (exact) + offset.
-template <bool Nibbles, bool Offsets, bool Halves>
-void dequantize_group(const uint8_t* source, int centre, float* out) {
-    constexpr int64_t kScaleRows = Halves ? 2 : 1;
-    float scales[kScaleRows][kWidth];
-    float offsets[kWidth];
-    std::memcpy(scales, source, sizeof(scales));
-    if (Offsets) std::memcpy(offsets, source + sizeof(scales), sizeof(offsets));
-    const uint8_t* quants = source + sizeof(scales) + (Offsets ? sizeof(offsets) : 0);
-    constexpr int64_t kHalf = kWidth / 2;
 #if defined(__AVX2__)
-    const __m256i low = _mm256_set1_epi32(15), shift = _mm256_set1_epi32(centre);
-    for (int64_t p = 0; p < kGroup; ++p) {
-        const float* scale = scales[Halves && p >= kGroup / 2 ? 1 : 0];
-        if (Nibbles) {
-            for (int b = 0; b < kHalf / 8; ++b) {
-                const __m256i bytes = _mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kHalf + 8 * b)));
-                const __m256i halves[2] = {_mm256_sub_epi32(_mm256_and_si256(bytes, low), shift),
-                                           _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), shift)};
-                for (int h = 0; h < 2; ++h) {
-                    const int64_t o = h * kHalf + 8 * b;
-                    __m256 value = _mm256_mul_ps(_mm256_loadu_ps(scale + o), _mm256_cvtepi32_ps(halves[h]));
-                    if (Offsets) value = _mm256_add_ps(value, _mm256_loadu_ps(offsets + o));
-                    _mm256_storeu_ps(out + p * kWidth + o, value);
-                }
-            }
-        } else {
-            for (int b = 0; b < kWidth / 8; ++b) {
-                const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + p * kWidth + 8 * b));
-                __m256 value = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * b),
-                                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
-                if (Offsets) value = _mm256_add_ps(value, _mm256_loadu_ps(offsets + 8 * b));
-                _mm256_storeu_ps(out + p * kWidth + 8 * b, value);
-            }
-        }
-    }
-#else
-    for (int64_t p = 0; p < kGroup; ++p) {
-        const float* scale = scales[Halves && p >= kGroup / 2 ? 1 : 0];
-        for (int64_t o = 0; o < kWidth; ++o) {
-            int quant;
-            if (Nibbles) {
-                const uint8_t byte = quants[p * kHalf + o % kHalf];
-                quant = static_cast<int>(o < kHalf ? byte & 15 : byte >> 4) - centre;
-            } else {
-                quant = static_cast<int8_t>(quants[p * kWidth + o]);
-            }
-            const float product = scale[o] * static_cast<float>(quant);  // exact: no contraction can change it
-            out[p * kWidth + o] = Offsets ? product + offsets[o] : product;
-        }
-    }
-#endif
-}
-
-using Dequantizer = void (*)(const uint8_t*, int, float*);
-
-Dequantizer dequantizer(int64_t format) {
-    static const Dequantizer table[8] = {
-        dequantize_group<false, false, false>, dequantize_group<true, false, false>,
-        dequantize_group<false, true, false>,  dequantize_group<true, true, false>,
-        dequantize_group<false, false, true>,  dequantize_group<true, false, true>,
-        dequantize_group<false, true, true>,   dequantize_group<true, true, true>,
-    };
-    return table[format & 7];
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-
-inline __m256i lane_mask(int count) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// A dequantised group in the 8 KB buffer: weight (input p, output o).
-struct Buffered {
-    static constexpr bool kPairs = false;
-    const float* weights;
-    __m256 at(int64_t p, int64_t o) const { return _mm256_loadu_ps(weights + p * kWidth + o); }
-    void pair(int64_t, int64_t, __m256&, __m256&) const {}
-};
-
-// A packed group read directly: the weights of eight outputs computed in registers, exactly as dequantize_group
-// computes them (scale * quant, then + offset), for calls of a few rows, which would each use a buffered value once.
+// A packed group read directly: the weights of eight outputs computed in registers (scale * quant, then + offset).
+// dequantize_group stores them in the group buffer; calls of a few rows, which would each use a buffered value once,
+// use them at once.
 template <bool Nibbles, bool Offsets, bool Halves>
 struct InRegisters {
     // Nibbles: outputs o and o + 32 share their bytes, so a pass over all 64 outputs reads each byte once.
@@ -177,6 +97,77 @@ struct InRegisters {
             second = _mm256_add_ps(second, _mm256_loadu_ps(offsets + o + kWidth / 2));
         }
     }
+};
+#endif
+
+// One tile's group of 32 inputs as float32 weights, [input][output]: scale * quant (exact) + offset.
+template <bool Nibbles, bool Offsets, bool Halves>
+void dequantize_group(const uint8_t* source, int centre, float* out) {
+#if defined(__AVX2__)
+    const InRegisters<Nibbles, Offsets, Halves> weights(source, centre);
+    for (int64_t p = 0; p < kGroup; ++p) {
+        float* row = out + p * kWidth;
+        if (Nibbles) {
+            for (int64_t o = 0; o < kWidth / 2; o += 8) {
+                __m256 first, second;
+                weights.pair(p, o, first, second);
+                _mm256_storeu_ps(row + o, first);
+                _mm256_storeu_ps(row + o + kWidth / 2, second);
+            }
+        } else {
+            for (int64_t o = 0; o < kWidth; o += 8) _mm256_storeu_ps(row + o, weights.at(p, o));
+        }
+    }
+#else
+    constexpr int64_t kScaleRows = Halves ? 2 : 1;
+    float scales[kScaleRows][kWidth];
+    float offsets[kWidth];
+    std::memcpy(scales, source, sizeof(scales));
+    if (Offsets) std::memcpy(offsets, source + sizeof(scales), sizeof(offsets));
+    const uint8_t* quants = source + sizeof(scales) + (Offsets ? sizeof(offsets) : 0);
+    constexpr int64_t kHalf = kWidth / 2;
+    for (int64_t p = 0; p < kGroup; ++p) {
+        const float* scale = scales[Halves && p >= kGroup / 2 ? 1 : 0];
+        for (int64_t o = 0; o < kWidth; ++o) {
+            int quant;
+            if (Nibbles) {
+                const uint8_t byte = quants[p * kHalf + o % kHalf];
+                quant = static_cast<int>(o < kHalf ? byte & 15 : byte >> 4) - centre;
+            } else {
+                quant = static_cast<int8_t>(quants[p * kWidth + o]);
+            }
+            const float product = scale[o] * static_cast<float>(quant);  // exact: no contraction can change it
+            out[p * kWidth + o] = Offsets ? product + offsets[o] : product;
+        }
+    }
+#endif
+}
+
+using Dequantizer = void (*)(const uint8_t*, int, float*);
+
+Dequantizer dequantizer(int64_t format) {
+    static const Dequantizer table[8] = {
+        dequantize_group<false, false, false>, dequantize_group<true, false, false>,
+        dequantize_group<false, true, false>,  dequantize_group<true, true, false>,
+        dequantize_group<false, false, true>,  dequantize_group<true, false, true>,
+        dequantize_group<false, true, true>,   dequantize_group<true, true, true>,
+    };
+    return table[format & 7];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+
+inline __m256i lane_mask(int count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// A dequantised group in the 8 KB buffer: weight (input p, output o).
+struct Buffered {
+    static constexpr bool kPairs = false;
+    const float* weights;
+    __m256 at(int64_t p, int64_t o) const { return _mm256_loadu_ps(weights + p * kWidth + o); }
+    void pair(int64_t, int64_t, __m256&, __m256&) const {}
 };
 
 // Rows x (8 Blocks) outputs from ``column`` over one group: sums from zero (first) or ``partial`` (row stride kWidth);

@@ -250,6 +250,15 @@ def preset_gguf(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     return destination
 
 
+def gguf_file_of(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The GGUF file behind a preset (see :func:`preset_gguf`) or a ``.gguf`` path; ``None`` for anything else (a
+    checkpoint folder)."""
+    if name_or_path in PRESETS:
+        return preset_gguf(name_or_path, cache_dir)
+    path = Path(name_or_path).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The checkpoint folder for a preset name, a GGUF file or a checkpoint folder (converting once if needed)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -406,15 +415,10 @@ def load_model(
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
-    gguf_file = None
-    if weights == "file":
-        if name_or_path in PRESETS:
-            gguf_file = preset_gguf(name_or_path, cache_dir)
-        elif Path(name_or_path).expanduser().is_file():
-            gguf_file = Path(name_or_path).expanduser()
-        else:
-            raise ModelLoadError(f"weights='file' runs a GGUF file's own blocks; {name_or_path} is a checkpoint "
-                                 "folder: give a preset or a .gguf file, or weights='q8_0'/'q4_0'")
+    gguf_file = gguf_file_of(name_or_path, cache_dir) if weights == "file" else None
+    if weights == "file" and gguf_file is None:
+        raise ModelLoadError(f"weights='file' runs a GGUF file's own blocks; {name_or_path} is a checkpoint "
+                             "folder: give a preset or a .gguf file, or weights='q8_0'/'q4_0'")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except Exception as error:

@@ -33,12 +33,10 @@ GGUF_TYPES = {torch.float32: ("F32", 0), torch.bfloat16: ("BF16", 32), torch.flo
 
 def source_gguf(name_or_path: str) -> Path:
     """The GGUF file behind a preset or a ``.gguf`` path."""
-    from ..models import PRESETS, preset_gguf
+    from ..models import gguf_file_of
 
-    if name_or_path in PRESETS:
-        return preset_gguf(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    path = gguf_file_of(name_or_path)
+    if path is not None:
         return path
     raise InvalidRequestError(
         f"llama.cpp rows need the model as GGUF: {name_or_path!r} is neither a preset nor a .gguf file"

@@ -33,10 +33,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 def _field(reader: Any, name: str) -> Any:
     field = reader.fields.get(name)
-    if field is None:
-        return None
-    value = field.parts[-1]
-    return bytes(value).decode() if field.types and field.types[-1].name == "STRING" else value[0]
+    return None if field is None else field.contents()
 
 
 def _llama_row_order(rows: int, heads: int) -> np.ndarray:

@@ -281,6 +281,16 @@ def planned(model, folder, kernel: bool | None = None):
     return target
 
 
+def prefill_and_chain_logits(target, prompt: list[int], chain: list[int], capacity: int) -> tuple:
+    """``target``'s logits for ``prompt`` prefilled into a fresh cache, then for ``chain`` verified after it."""
+    from draftwise.backend.rows import RowBlock
+
+    cache = target.new_cache(capacity)
+    with torch.inference_mode():
+        first = target.prefill([cache], [prompt]).logits[0]
+        return first, target.forward([cache], [RowBlock.chain(chain)]).logits[0]
+
+
 def prefilled_caches(target, prompts, capacity: int) -> list:
     """A fresh cache of ``capacity`` positions per prompt, each prompt prefilled alone."""
     caches = [target.new_cache(capacity) for _ in prompts]

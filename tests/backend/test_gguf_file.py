@@ -98,20 +98,16 @@ def test_the_shipped_files_own_blocks_run_bitwise_as_its_float_model(tmp_path):
     """SmolLM2-135M's file (Q4_1 layers, a Q8_0 head) as shipped: its quantised forward equals the float32 forward
     of the model transformers de-quantised from the file, prefill and verification rows; drafting keeps plain
     greedy's ids."""
+    from tiny import prefill_and_chain_logits
+
     import draftwise
     from draftwise.backend.forward.lean import LeanTarget
-    from draftwise.backend.rows import RowBlock
 
     target, tokenizer = draftwise.load_model("smollm2-135m", weights="file", cache_dir=tmp_path)
     assert target.quantization == "q4_1+q8_0" and target.linear_path == "kernel-q4_1+q8_0"
     reference = LeanTarget(target.model)
     prompt, chain = list(range(3, 140)), [5, 9, 11, 2]
-    outputs = []
-    for model in (target, reference):
-        cache = model.new_cache(256)
-        with torch.inference_mode():
-            first = model.prefill([cache], [prompt]).logits[0]
-            outputs.append((first, model.forward([cache], [RowBlock.chain(chain)]).logits[0]))
+    outputs = [prefill_and_chain_logits(model, prompt, chain, 256) for model in (target, reference)]
     for ours, theirs in zip(*outputs):
         assert torch.equal(ours, theirs) if exact else torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
     messages = [{"role": "user", "content": "Repeat this list twice: apple, pear, plum, fig, kiwi, lime."}]

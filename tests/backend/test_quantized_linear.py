@@ -124,23 +124,16 @@ def dequantised_copy(model, kind: str):
 def test_a_quantised_forward_is_the_float_forward_of_the_dequantised_model(kind, family, tmp_path):
     """Prefill and verification rows of the quantised target equal the float32 lean forward of the same model with
     gguf-dequantised weights: bit for bit where the float32 blocked product runs (the same sums), else closely."""
-    from tiny import make_tiny_model, planned
+    from tiny import make_tiny_model, planned, prefill_and_chain_logits
 
     from draftwise.backend.forward.lean import LeanTarget
-    from draftwise.backend.rows import RowBlock
 
     model = make_tiny_model(family, seed=0)
     quantised = LeanTarget(model, quantization=kind)
     reference = planned(dequantised_copy(model, kind), tmp_path)
     assert quantised.linear_path == f"kernel-{kind}" and quantised.quantization == kind
     prompt, chain = list(range(3, 40)), [5, 9, 11, 2]
-    outputs = []
-    for target in (quantised, reference):
-        cache = target.new_cache(64)
-        with torch.inference_mode():
-            first = target.prefill([cache], [prompt]).logits[0]
-            rows = target.forward([cache], [RowBlock.chain(chain)]).logits[0]
-        outputs.append((first.float(), rows.float()))
+    outputs = [prefill_and_chain_logits(target, prompt, chain, 64) for target in (quantised, reference)]
     exact = "float32" in kernels.blocked_linear_dtypes()
     for ours, theirs in zip(outputs[0], outputs[1]):
         assert torch.equal(ours, theirs) if exact else torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@ import torch
 from .bench.prompts import DATASETS
 from .decoding.batch import DEFAULT_MAX_PREFILL_ROWS
 from .errors import DraftwiseError, InvalidRequestError
-from .models import DEFAULT_MODEL, PRESETS, default_cache_dir, install_preset, is_installed
+from .models import DEFAULT_MODEL, PRESETS, WEIGHTS, default_cache_dir, install_preset, is_installed
 
 #: The rows of ``draftwise bench`` when no --methods are given.
 DEFAULT_BENCH_METHODS = "ar,pld,hf,hf-pld"
@@ -30,7 +30,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "lean", "transformers"],
                         help="the engine's own forward (lean: llama, qwen2), the model's public one, or auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--weights", default=None, choices=["file", "q8_0", "q4_0"],
+    parser.add_argument("--weights", default=None, choices=list(WEIGHTS),
                         help="file: run a GGUF model's block-quantised matrices as shipped; q8_0/q4_0: quantise the "
                         "linear products' weights on load (lean forward, float32, CPU kernels; default: the dtype's "
                         "float weights)")

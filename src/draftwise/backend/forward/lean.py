@@ -232,7 +232,7 @@ class LeanTarget(Target):
 
         if quantization is not None and quantized:
             raise UnsupportedModelError("give quantization (quantise on load) or quantized (a file's blocks), not both")
-        checked = self._check_quantization(quantization or ("file" if quantized else None), linear_fixed)
+        self._check_quantization(quantization or ("file" if quantized else None), linear_fixed)
         quantized = quantized or {}
 
         def make_product(weight: torch.Tensor, bias: torch.Tensor | None, modules: tuple[Any, ...]) -> Linear:
@@ -252,10 +252,8 @@ class LeanTarget(Target):
         self.head = make_product(head.weight.detach(), None if head.bias is None else head.bias.detach(), (head,))
         #: The block quantisations the products' weights are kept in (``"q4_1+q8_0"``: a file's types, lower case,
         #: in the order the forward meets them), ``None`` for float weights.
-        self.quantization = None
-        if checked is not None:
-            kinds = [product.quantization for product in self.products if product.quantization]
-            self.quantization = "+".join(dict.fromkeys(kind for found in kinds for kind in found.split("+"))) or None
+        types = [kind for product in self.products if isinstance(product, QuantizedLinear) for kind in product.types]
+        self.quantization = "+".join(dict.fromkeys(types)).lower() or None
         #: Whether the products' weights are in transparent huge pages.
         self.huge_pages = huge_pages and place_in_huge_pages(list(self.products), device)
         inverse = 1.0 / (
@@ -272,11 +270,11 @@ class LeanTarget(Target):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.compiled_layers = self._compiled_layers()
 
-    def _check_quantization(self, quantization: str | None, linear_fixed: bool) -> str | None:
-        """``quantization`` where this forward can keep its products' weights so (the compiled kernels, float32 rows),
-        else a clear error."""
+    def _check_quantization(self, quantization: str | None, linear_fixed: bool) -> None:
+        """A clear error where this forward cannot keep its products' weights in ``quantization`` (they need the
+        compiled kernels and float32 rows)."""
         if quantization is None:
-            return None
+            return
         if quantization != "file" and quantization not in QUANTIZATIONS:
             raise UnsupportedModelError(f"unknown weights {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
         if self.kernel is None or linear_fixed:
@@ -290,7 +288,6 @@ class LeanTarget(Target):
         if odd:
             raise UnsupportedModelError(f"{quantization} weights need input widths that are multiples of "
                                         f"{BLOCK_INPUTS}; this model has {odd}")
-        return quantization
 
     def _compiled_kernels(self, wanted: bool | None) -> Any | None:
         """The compiled kernels' module, if used (see the ``kernel`` argument)."""
@@ -346,8 +343,8 @@ class LeanTarget(Target):
 
     def _compiled_layers(self) -> Any | None:
         """The decoder layers as one compiled loop (:class:`draftwise.backend.native` ``DecoderLayers``) where every
-        product runs through the blocked or the quantised kernel: the same kernels in the same order as :meth:`_run`'s loop, bitwise
-        its results, without the interpreter's per-operation cost (0.3-0.4 ms of a 30-layer forward)."""
+        product runs through the blocked or the quantised kernel: the same kernels in the same order as :meth:`_run`'s
+        loop, bitwise its results, without the interpreter's per-operation cost (0.3-0.4 ms of a 30-layer forward)."""
         if self.kernel is None or self.fixed_row_plan:
             return None
         products = [linear for layer in self.layers for linear in layer.products]

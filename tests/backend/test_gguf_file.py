@@ -1,6 +1,7 @@
 """A GGUF file's own block types run as shipped: every type decodes to exactly gguf's dequantised values, its product
-equals the float32 blocked product of those values bit for bit (alone, stacked with other types, any row count), and
-a real file's quantised forward equals the float32 forward of the model transformers de-quantised from it."""
+is bit for bit its stated integer arithmetic and close to the float product of those values (alone, stacked with
+other types, any row count), and a real file's quantised forward agrees with the float32 forward of the model
+transformers de-quantised from it (logits within a tolerance, the same top token on real text)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from draftwise.backend.weights.quantized import FILE_TYPES, QuantizedLinear, Qua
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
-exact = kernels is not None and "float32" in kernels.blocked_linear_dtypes()
+#: Relative error (in norm) allowed against the float64 product of the dequantised weights (measured: about 2e-5).
+PRODUCT_TOLERANCE = 1e-3
 
 
 def random_blocks(type_name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -51,21 +53,21 @@ def test_every_type_decodes_to_ggufs_values_bit_for_bit(type_name):
     assert np.array_equal(ours.view(np.uint32), gguf_values(blocks, type_name).numpy().view(np.uint32))
 
 
-def blocked(inputs: torch.Tensor, weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return kernels.blocked_linear(inputs, kernels.pack_blocked_weight(weights), bias, weights.shape[0])
+def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((ours.double() - exact.double()).norm() / exact.double().norm()).item()
 
 
 @pytest.mark.parametrize("type_name", FILE_TYPES)
-def test_every_types_product_is_the_float_product_of_its_values(type_name):
-    blocks = random_blocks(type_name, 200, 512, seed=1)
-    linear = QuantizedLinear(decode(blocks, type_name), None, kernels)
+def test_every_types_product_is_its_integer_arithmetic(type_name):
+    from quantized_reference import reference_product
+
+    matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
+    linear = QuantizedLinear(matrix, None, kernels)
     assert linear.quantization == type_name.lower()
     inputs = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
     output = linear(inputs)
-    expected = inputs.double() @ gguf_values(blocks, type_name).double().T
-    assert torch.allclose(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    if exact:
-        assert torch.equal(output, blocked(inputs, gguf_values(blocks, type_name), None))
+    assert torch.equal(output, reference_product(inputs, matrix, None))
+    assert relative_error(output, inputs.double() @ matrix.dequantize().double().T) < PRODUCT_TOLERANCE
     for row in range(9):
         assert torch.equal(linear(inputs[row : row + 1])[0], output[row])
 
@@ -73,11 +75,13 @@ def test_every_types_product_is_the_float_product_of_its_values(type_name):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_stacked_types_keep_every_value_and_every_row_alone(threads):
     """Fused projections of different types (a Q4_K_M file's Q4_K queries and Q6_K values) share one product."""
+    from quantized_reference import reference_product
+
     types = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_1")
     parts = [decode(random_blocks(name, 70, 256, seed=index), name) for index, name in enumerate(types)]
     stacked = QuantizedMatrix.stack(parts)
-    values = torch.cat([part.dequantize() for part in parts])
-    assert torch.equal(stacked.dequantize(), values) and stacked.types == types
+    assert torch.equal(stacked.dequantize(), torch.cat([part.dequantize() for part in parts]))
+    assert stacked.types == types
     bias = torch.randn(350)
     linear = QuantizedLinear(stacked, bias, kernels)
     inputs = torch.randn(21, 256, generator=torch.Generator().manual_seed(3))
@@ -85,19 +89,34 @@ def test_stacked_types_keep_every_value_and_every_row_alone(threads):
     torch.set_num_threads(threads)
     try:
         together = linear(inputs)
-        if exact:
-            assert torch.equal(together, blocked(inputs, values, bias))
+        assert torch.equal(together, reference_product(inputs, stacked, bias))
         for count in (1, 2, 3, 5, 20):
             assert torch.equal(linear(inputs[:count]), together[:count])
     finally:
         torch.set_num_threads(previous)
 
 
+#: Real text for teacher-forced agreement: prose, code and a list.
+REAL_TEXTS = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden press adapted from those used to make wine. Within fifty years printing "
+    "shops had spread to more than two hundred cities across Europe, and the price of books fell sharply. Scholars "
+    "could compare identical copies of a text for the first time, which changed how knowledge was checked and shared.",
+    "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n"
+    "            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n"
+    "    result.extend(right[j:])\n    return result\n",
+    "To make a simple tomato sauce, warm two tablespoons of olive oil in a pan, add a chopped onion and cook it "
+    "gently until soft. Stir in two crushed cloves of garlic, then a tin of chopped tomatoes, a pinch of salt and a "
+    "few leaves of basil. Let it simmer for twenty minutes, stirring now and then, until it thickens.",
+)
+
+
 @pytest.mark.slow
-def test_the_shipped_files_own_blocks_run_bitwise_as_its_float_model(tmp_path):
-    """SmolLM2-135M's file (Q4_1 layers, a Q8_0 head) as shipped: its quantised forward equals the float32 forward
-    of the model transformers de-quantised from the file, prefill and verification rows; drafting keeps plain
-    greedy's ids."""
+def test_the_shipped_files_own_blocks_agree_with_its_float_model(tmp_path):
+    """SmolLM2-135M's file (Q4_1 layers, a Q8_0 head) as shipped, against the float32 forward of the model
+    transformers de-quantised from the file: logits within 0.5 % (in norm; measured 1e-4 to 3e-4) and teacher-forced
+    top-1 agreement of at least 98 % on real text (measured: every position); drafting keeps plain greedy's ids."""
     from tiny import prefill_and_chain_logits
 
     import draftwise
@@ -106,10 +125,16 @@ def test_the_shipped_files_own_blocks_run_bitwise_as_its_float_model(tmp_path):
     target, tokenizer = draftwise.load_model("smollm2-135m", weights="file", cache_dir=tmp_path)
     assert target.quantization == "q4_1+q8_0" and target.linear_path == "kernel-q4_1+q8_0"
     reference = LeanTarget(target.model)
-    prompt, chain = list(range(3, 140)), [5, 9, 11, 2]
-    outputs = [prefill_and_chain_logits(model, prompt, chain, 256) for model in (target, reference)]
-    for ours, theirs in zip(*outputs):
-        assert torch.equal(ours, theirs) if exact else torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    agreeing = total = 0
+    for text in REAL_TEXTS:
+        tokens = tokenizer(text)["input_ids"]
+        prompt, chain = tokens[:8], tokens[8:]
+        outputs = [prefill_and_chain_logits(model, prompt, chain, len(tokens) + 8) for model in (target, reference)]
+        for ours, theirs in zip(*outputs):
+            assert relative_error(ours, theirs) < 0.005
+        agreeing += int((outputs[0][1].argmax(-1) == outputs[1][1].argmax(-1)).sum())
+        total += len(chain)
+    assert agreeing / total >= 0.98
     messages = [{"role": "user", "content": "Repeat this list twice: apple, pear, plum, fig, kiwi, lime."}]
     plain = draftwise.generate(target, tokenizer, messages, method="ar", max_new_tokens=40)
     drafted = draftwise.generate(target, tokenizer, messages, method="pld", max_new_tokens=40)

@@ -1,6 +1,6 @@
 """The compiled product over GGUF block-quantised weights (Q8_0, Q4_0): the packing keeps gguf's own values, the
-product equals the float32 blocked product of the dequantised matrix bit for bit (where that product runs), agrees
-with a float64 product, gives every row its result alone at any thread count, and refuses bad calls clearly."""
+product is bit for bit its stated integer arithmetic (``quantized_reference``), stays close to the float64 product of
+the dequantised matrix, gives every row its result alone at any thread count, and refuses bad calls clearly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from draftwise.backend import native
-from draftwise.backend.weights.quantized import KINDS, QuantizedLinear, decode, dequantize, pack, quantize
+from draftwise.backend.weights.quantized import KINDS, SIGNED, QuantizedLinear, decode, dequantize, pack, quantize
+
+#: Largest relative error (in norm) of a quantised product against the float64 product of its dequantised weights:
+#: activations in 16-bit fixed point per group of 32 put it near 2e-5 on Gaussian rows.
+PRODUCT_TOLERANCE = 1e-3
+#: The same for a tiny model's logits after every layer's products.
+LOGITS_TOLERANCE = 1e-3
+
+
+def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((ours.double() - exact.double()).norm() / exact.double().norm()).item()
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
@@ -27,19 +37,19 @@ def rows(count: int, in_features: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (17, 576), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_equals_the_float32_product_of_gguf_dequantised_weights(kind, out_features, in_features, bias):
+def test_is_its_integer_arithmetic_and_close_to_the_float_product(kind, out_features, in_features, bias):
+    from quantized_reference import reference_product
+
     blocks = quantize(matrix(out_features, in_features), kind)
     weights = dequantize(blocks, kind)
     offsets = torch.randn(out_features, generator=torch.Generator().manual_seed(3)) if bias else None
     linear = QuantizedLinear(decode(blocks, kind), offsets, kernels)
     inputs = rows(9, in_features)
     output = linear(inputs)
-    expected = inputs.double() @ weights.double().T + (offsets.double() if bias else 0)
     assert output.shape == (9, out_features) and output.dtype == torch.float32
-    assert torch.allclose(output.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    if "float32" in kernels.blocked_linear_dtypes():  # the same sums in the same order: the same bits
-        blocked = kernels.blocked_linear(inputs, kernels.pack_blocked_weight(weights), offsets, out_features)
-        assert torch.equal(output, blocked)
+    assert torch.equal(output, reference_product(inputs, decode(blocks, kind), offsets))
+    exact = inputs.double() @ weights.double().T + (offsets.double() if bias else 0)
+    assert relative_error(output, exact) < PRODUCT_TOLERANCE
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -66,23 +76,23 @@ def test_every_row_is_bitwise_its_result_alone(kind, threads):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_packing_keeps_every_block_value(kind):
-    """The packed scales and quants dequantise (as the kernel does) to exactly gguf's values, padding included."""
+    """The packed scales and quants (less the centre) give back exactly gguf's values, padding outputs zero."""
     blocks = quantize(matrix(70, 64, seed=5), kind)
     weights = dequantize(blocks, kind)
     packed, layout = pack(decode(blocks, kind))
     packed = packed.numpy()
-    assert packed.shape[:2] == (2, 2) and layout == (0 if kind == "q8_0" else 9)  # Q4_0: centred nibbles
-    scales = packed[:, :, :256].copy().view(np.float32)  # (tiles, groups, 64)
-    body = packed[:, :, 256:]
+    assert packed.shape[:2] == (9, 2) and layout == (SIGNED if kind == "q8_0" else 1 | 8 << 4)  # Q4_0: nibbles + 8
+    scales = packed[:, :, :32].copy().view(np.float32)  # (tiles, groups, 8 outputs)
+    body = packed[:, :, 32:]
     if kind == "q8_0":
-        quants = body.reshape(2, 2, 32, 64).view(np.int8).astype(np.float32)
+        quants = body.reshape(9, 2, 8, 8, 4).view(np.int8).astype(np.float32)  # (tiles, groups, quads, outputs, 4)
     else:
-        nibbles = body.reshape(2, 2, 32, 32)
-        quants = np.concatenate([nibbles & 15, nibbles >> 4], axis=3).astype(np.float32) - 8
-    values = scales[:, :, None, :] * quants  # (tiles, groups, inputs, outputs)
-    rebuilt = values.transpose(0, 3, 1, 2).reshape(128, 64)
-    assert np.array_equal(rebuilt[:70].view(np.uint32), weights.numpy().view(np.uint32))  # signed zeros too
-    assert not rebuilt[70:].any()
+        nibbles = body.reshape(9, 2, 4, 8, 4)
+        quants = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).astype(np.float32) - 8
+    quants = quants.transpose(0, 3, 1, 2, 4).reshape(72, 64)  # (outputs, inputs)
+    values = np.repeat(scales.transpose(0, 2, 1).reshape(72, 2), 32, axis=1) * quants
+    assert np.array_equal(values[:70].view(np.uint32), weights.numpy().view(np.uint32))  # signed zeros too
+    assert not values[70:].any()
 
 
 def test_clear_refusals():
@@ -95,7 +105,7 @@ def test_clear_refusals():
     with pytest.raises(RuntimeError, match="packing"):
         kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64)  # Q8_0 bytes read as nibbles
     with pytest.raises(RuntimeError, match="format"):
-        kernels.quantized_linear(rows(2, 64), linear.weight, 8, None, 64)  # centred without nibbles
+        kernels.quantized_linear(rows(2, 64), linear.weight, 9, None, 64)  # signed nibbles
     with pytest.raises(ValueError, match="unknown quantisation"):
         quantize(matrix(64, 64), "q3_k")
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -121,9 +131,9 @@ def dequantised_copy(model, kind: str):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_quantised_forward_is_the_float_forward_of_the_dequantised_model(kind, family, tmp_path):
-    """Prefill and verification rows of the quantised target equal the float32 lean forward of the same model with
-    gguf-dequantised weights: bit for bit where the float32 blocked product runs (the same sums), else closely."""
+def test_a_quantised_forward_is_close_to_the_float_forward_of_the_dequantised_model(kind, family, tmp_path):
+    """Prefill and verification rows of the quantised target against the float32 lean forward of the same model with
+    gguf-dequantised weights: within LOGITS_TOLERANCE, and the same top token on nearly every row."""
     from tiny import make_tiny_model, planned, prefill_and_chain_logits
 
     from draftwise.backend.forward.lean import LeanTarget
@@ -132,11 +142,12 @@ def test_a_quantised_forward_is_the_float_forward_of_the_dequantised_model(kind,
     quantised = LeanTarget(model, quantization=kind)
     reference = planned(dequantised_copy(model, kind), tmp_path)
     assert quantised.linear_path == f"kernel-{kind}" and quantised.quantization == kind
-    prompt, chain = list(range(3, 40)), [5, 9, 11, 2]
-    outputs = [prefill_and_chain_logits(target, prompt, chain, 64) for target in (quantised, reference)]
-    exact = "float32" in kernels.blocked_linear_dtypes()
+    prompt, chain = list(range(3, 40)), list(range(5, 45))
+    outputs = [prefill_and_chain_logits(target, prompt, chain, 128) for target in (quantised, reference)]
     for ours, theirs in zip(outputs[0], outputs[1]):
-        assert torch.equal(ours, theirs) if exact else torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+        assert relative_error(ours, theirs) < LOGITS_TOLERANCE
+    ours, theirs = outputs[0][1], outputs[1][1]
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.98
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

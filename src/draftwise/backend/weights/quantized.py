@@ -7,12 +7,14 @@ float16. Whatever the type, every weight is ``scale * quant + offset`` where ``s
 (at most 24 significant bits: a float16 times at most 13 more bits), so one rounding at most, the addition; gguf's own
 dequantisation computes the same. :func:`decode` turns any of these types into that common form
 (:class:`QuantizedMatrix`: per 32 inputs one or two float32 scales, an optional float32 offset, small integer quants),
-and :func:`pack` lays it out once in the kernel's tiles of 64 outputs (see ``native/quantized.cpp``): quants in
-nibbles where they fit in four bits, else one byte each.
+and :func:`pack` lays it out once in the kernel's tiles of 8 outputs (see ``native/quantized.cpp``): quants in
+nibbles where they fit in four bits, else one byte each, grouped four inputs to a 32-bit lane.
 
-The product dequantises each tile's group of 32 inputs once per call for all rows and sums every output in one fixed
-order, so a row's result never depends on the other rows of the call, and equals, bit for bit, the float32 blocked
-product (:mod:`draftwise.backend.weights.products`) of the dequantised matrix.
+The product is an integer dot product, as llama.cpp's: each row's activations are quantised per group of 32 inputs to
+16-bit fixed point (two int8 parts), the sums of quant x activation are exact integers, and the float32 steps after
+them run in one fixed order per row. A row's result therefore never depends on the other rows of the call (a
+verification row is bitwise plain decoding's), and stays within about 1e-4 (relative) of the float product of the
+dequantised matrix (``tests/quantized_reference.py`` states the arithmetic step by step).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ KINDS = ("q8_0", "q4_0")
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: Outputs per tile and inputs per group of the packed layout.
-TILE_OUTPUTS = 64
+TILE_OUTPUTS = 8
 BLOCK_INPUTS = 32
 #: The packed layout's format bits (``native/quantized.cpp``): quants in nibbles, an offset per group, a scale per
-#: half group (16 inputs), nibbles centred on 8 (quant = nibble - 8, Q4_0's form).
-NIBBLES, OFFSETS, HALVES, CENTRED = 1, 2, 4, 8
+#: half group (16 inputs), quants as signed bytes; the bits from CENTRE_SHIFT up hold the centre of unsigned quants.
+NIBBLES, OFFSETS, HALVES, SIGNED = 1, 2, 4, 8
+CENTRE_SHIFT = 4
 
 
 def _gguf_type(name: str) -> Any:
@@ -87,17 +90,6 @@ class QuantizedMatrix:
     @property
     def shape(self) -> tuple[int, int]:
         return self.quants.shape
-
-    @property
-    def nibble_centre(self) -> int | None:
-        """What every quant's nibble is offset by (0: quants in 0..15, 8: in -8..7), ``None`` where they need more
-        than four bits."""
-        low, high = (int(self.quants.min()), int(self.quants.max())) if self.quants.size else (0, 0)
-        if low >= 0 and high <= 15:
-            return 0
-        if low >= -8 and high <= 7:
-            return 8
-        return None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights (the values gguf's dequantisation gives)."""
@@ -210,24 +202,32 @@ def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
 
 
 def layout_format(matrix: QuantizedMatrix) -> int:
-    """The packed layout's format bits for ``matrix``."""
-    centre = matrix.nibble_centre
-    nibbles = 0 if centre is None else NIBBLES | (CENTRED if centre else 0)
-    return nibbles | (OFFSETS if matrix.offsets is not None else 0) | (HALVES if matrix.halves else 0)
+    """The packed layout's format: its bits and, from bit 4 up, the centre added to every quant to store it unsigned
+    (nibbles where quant + centre fits four bits, unsigned bytes where it stays below 128, else signed bytes)."""
+    low, high = (int(matrix.quants.min()), int(matrix.quants.max())) if matrix.quants.size else (0, 0)
+    centre = max(0, -low)
+    if high + centre <= 15:
+        layout = NIBBLES
+    elif high + centre <= 127:
+        layout = 0
+    else:
+        layout, centre = SIGNED, 0
+    return (layout | (OFFSETS if matrix.offsets is not None else 0) | (HALVES if matrix.halves else 0)
+            | centre << CENTRE_SHIFT)
 
 
 def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     """``matrix`` repacked for ``quantized_linear``: ``(tiles, groups, bytes)`` uint8 (outputs past ``out`` zero)
-    and its format bits. A group holds the 64 outputs' scales as float32 (two rows of them with :data:`HALVES`), their
-    offsets (with :data:`OFFSETS`), then the quants input by input: one int8 per output, or with :data:`NIBBLES`
-    32 bytes, output o in the low nibble of byte o and output o + 32 in the high one (each nibble the quant + 8 with
-    :data:`CENTRED`)."""
+    and its format (:func:`layout_format`). A group of a tile of 8 outputs holds their scales as float32 (two rows of
+    them with :data:`HALVES`), their offsets (with :data:`OFFSETS`), then eight vectors of 32 bytes, vector k holding
+    inputs 4k..4k+3 of output j at bytes 4j..4j+3 (quant + centre); with :data:`NIBBLES` four vectors, vector k's low
+    nibbles and vector k + 4's high ones in one."""
     layout = layout_format(matrix)
     out, inputs = matrix.shape
     groups, tiles = inputs // BLOCK_INPUTS, -(-out // TILE_OUTPUTS)
     padded_rows = tiles * TILE_OUTPUTS
 
-    def tiled(values: np.ndarray) -> np.ndarray:  # (out, groups, k) -> (tiles, groups, k, 64)
+    def tiled(values: np.ndarray) -> np.ndarray:  # (out, groups, k) -> (tiles, groups, k, 8)
         full = np.zeros((padded_rows, *values.shape[1:]), values.dtype)
         full[:out] = values
         return full.reshape(tiles, TILE_OUTPUTS, groups, -1).transpose(0, 2, 3, 1)
@@ -235,11 +235,13 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     parts = [tiled(matrix.scales if layout & HALVES else matrix.scales[..., :1])]
     if layout & OFFSETS:
         parts.append(tiled(matrix.offsets[..., None]))
-    quants = tiled(matrix.quants.reshape(out, groups, BLOCK_INPUTS))  # (tiles, groups, 32 inputs, 64 outputs)
+    stored = matrix.quants.astype(np.int16) + (layout >> CENTRE_SHIFT)
+    quants = np.zeros((padded_rows, inputs), np.uint8)
+    quants[:out] = stored.astype(np.int8).view(np.uint8) if layout & SIGNED else stored.astype(np.uint8)
+    # (tiles, 8 outputs j, groups, 8 quads k, 4 inputs) -> (tiles, groups, k, j, 4)
+    quants = quants.reshape(tiles, TILE_OUTPUTS, groups, 8, 4).transpose(0, 2, 3, 1, 4)
     if layout & NIBBLES:
-        half = TILE_OUTPUTS // 2
-        quants = (quants.astype(np.int16) + (8 if layout & CENTRED else 0)).astype(np.uint8)
-        quants = quants[..., :half] | (quants[..., half:] << 4)
+        quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
     parts.append(quants)
     packed = np.concatenate([np.ascontiguousarray(part).view(np.uint8).reshape(tiles, groups, -1) for part in parts],
                             axis=2)

@@ -1,0 +1,49 @@
+"""The arithmetic of the compiled quantised product (``native/quantized.cpp``) in numpy, step by step: activations
+quantised per group of 32 inputs to 16-bit fixed point (an int8 and an int8 residual), exact integer sums per half
+group, then the float32 operations in the kernel's order. The kernel must equal it bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from draftwise.backend.weights.quantized import BLOCK_INPUTS, QuantizedMatrix
+
+
+def quantized_activations(inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``inputs`` ``(rows, in)`` float32 per group: fixed-point activations ``(rows, groups, 32)`` (256 q + r) and
+    their unit ``(rows, groups)`` (d / 256)."""
+    rows, features = inputs.shape
+    groups = inputs.reshape(rows, features // BLOCK_INPUTS, BLOCK_INPUTS).astype(np.float32)
+    scales = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inverse = np.zeros_like(scales)
+    np.divide(np.float32(1), scales, out=inverse, where=scales != 0)
+    quants = np.clip(np.rint(groups * inverse[..., None]), -127, 127).astype(np.float32)
+    residuals = (groups - scales[..., None] * quants).astype(np.float32)
+    residuals = np.clip(np.rint(residuals * (inverse * np.float32(256))[..., None]), -127, 127)
+    fixed = 256 * quants.astype(np.int64) + residuals.astype(np.int64)
+    return fixed, (scales / np.float32(256)).astype(np.float32)
+
+
+def reference_product(inputs: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """What ``quantized_linear`` computes for ``inputs`` over ``matrix`` (and ``bias``), in float32."""
+    quants, scales = quantized_activations(inputs.numpy())
+    rows, groups = scales.shape
+    out = matrix.shape[0]
+    weights = matrix.quants.astype(np.int64).reshape(out, groups, 2, BLOCK_INPUTS // 2)
+    halves = np.einsum("rghi,oghi->rogh", quants.reshape(rows, groups, 2, -1), weights)  # exact
+    if matrix.halves:
+        values = (matrix.scales[None, :, :, 0] * halves[..., 0].astype(np.float32)
+                  + matrix.scales[None, :, :, 1] * halves[..., 1].astype(np.float32))
+    else:
+        values = matrix.scales[None, :, :, 0] * halves.sum(-1).astype(np.float32)
+    values = (values * scales[:, None, :]).astype(np.float32)
+    if matrix.offsets is not None:
+        scaled_sums = (scales * quants.sum(-1).astype(np.float32)).astype(np.float32)
+        values = values + matrix.offsets[None] * scaled_sums[:, None, :]
+    total = np.zeros((rows, out), np.float32)
+    for group in range(groups):
+        total = total + values[:, :, group]
+    if bias is not None:
+        total = total + bias.numpy().astype(np.float32)
+    return torch.from_numpy(total.astype(np.float32))

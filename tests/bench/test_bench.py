@@ -671,6 +671,19 @@ def test_environment_records_the_machine(tiny_llama):
     assert again["floor_ms_per_token"] == pytest.approx(env["weights_mb"] / 1e6)
 
 
+def test_quantised_products_count_as_packed():
+    from tiny import make_tiny_model
+
+    from draftwise.backend import native
+    from draftwise.backend.forward.lean import LeanTarget
+
+    if native.load_kernels(warn=False) is None:
+        pytest.skip("the kernels cannot be built here")
+    target = LeanTarget(make_tiny_model("llama", seed=0), quantization="q4_0")
+    packed = sum(product.weight.numel() for product in target.products)  # uint8: a byte each
+    assert bandwidth_floor(target)["weights_mb"] == pytest.approx(packed / 1e6)
+
+
 def test_tied_weights_count_once():
     from torch import nn
 

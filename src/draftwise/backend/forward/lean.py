@@ -193,8 +193,8 @@ class LeanTarget(Target):
         quantized: block-quantised matrices as a GGUF file holds them, by the model's projection module (the output
             head's module included) they replace (:func:`draftwise.backend.weights.gguf_file.file_matrices`): each
             product whose projections all have one runs on them (the others keep their float weights). Each
-            matrix must dequantise to exactly the module's weight: the model is then the float reference of the
-            quantised forward. Not with ``quantization``.
+            matrix must dequantise to exactly the module's weight: the model is then the float reference the
+            quantised forward is compared with. Not with ``quantization``.
     """
 
     backend = "lean"

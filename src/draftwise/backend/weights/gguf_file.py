@@ -3,7 +3,8 @@
 transformers de-quantises a GGUF file into float32 weights (with the ``gguf`` package, whose values
 :func:`~draftwise.backend.weights.quantized.decode` reproduces bit for bit). :func:`file_matrices` reads the file's
 blocks again and hands each projection of that model its matrix as the file holds it, so the lean forward can run
-the file's own quantisation while the float model stays its exact reference. Each matrix is checked to dequantise to
+the file's own quantisation while the float model stays its reference (the quantised forward agrees with it within the
+tolerance docs/models.md states). Each matrix is checked to dequantise to
 exactly the model's weight, which also proves the name mapping and llama's query/key row order.
 """
 

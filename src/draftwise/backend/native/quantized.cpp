@@ -45,6 +45,7 @@ constexpr int64_t kTile = 8;    // outputs per tile
 constexpr int64_t kGroup = 32;  // inputs per quantisation block
 constexpr int64_t kHalf = kGroup / 2;
 constexpr int kRowsPerPass = 4;
+constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
 
 enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8 };
 constexpr int kCentreShift = 4;  // format >> 4: the centre of unsigned quants
@@ -74,27 +75,35 @@ struct QuantizedRows {
     QuantizedRows(const float* x, int64_t x_stride, int64_t rows, int64_t groups_)
         : groups(groups_), quants(rows * groups_ * kGroup), residuals(rows * groups_ * kGroup), scales(rows * groups_),
           scaled_sums(rows * groups_), half_sums(rows * groups_ * 2) {
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t g = 0; g < groups; ++g) {
-                const float* values = x + r * x_stride + g * kGroup;
-                float largest = 0.0f;
-                for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(values[i]));
-                const float d = largest / 127.0f;
-                const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-                const int64_t at = r * groups + g;
-                int8_t* q = quants.data() + at * kGroup;
-                int8_t* residual = residuals.data() + at * kGroup;
-                int32_t sums[2] = {0, 0};
-                for (int64_t i = 0; i < kGroup; ++i) {
-                    q[i] = clamped(std::nearbyint(values[i] * inverse));
-                    residual[i] = clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) * (inverse * 256.0f)));
-                    sums[i / kHalf] += 256 * q[i] + residual[i];
-                }
-                scales[at] = d / 256.0f;
-                scaled_sums[at] = scales[at] * static_cast<float>(sums[0] + sums[1]);
-                half_sums[2 * at] = sums[0];
-                half_sums[2 * at + 1] = sums[1];
+        // Rows apart on the threads once there are enough of them (a prompt's), each row's steps the same.
+        const int64_t grain = std::max<int64_t>(1, kParallelValues / std::max<int64_t>(1, groups * kGroup));
+        at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) quantize_row(x + r * x_stride, r);
+        });
+    }
+
+    // Row r's groups, from its values.
+    void quantize_row(const float* row, int64_t r) {
+        for (int64_t g = 0; g < groups; ++g) {
+            const float* values = row + g * kGroup;
+            float largest = 0.0f;
+            for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(values[i]));
+            const float d = largest / 127.0f;
+            const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+            const int64_t at = r * groups + g;
+            int8_t* q = quants.data() + at * kGroup;
+            int8_t* residual = residuals.data() + at * kGroup;
+            int32_t sums[2] = {0, 0};
+            for (int64_t i = 0; i < kGroup; ++i) {
+                q[i] = clamped(std::nearbyint(values[i] * inverse));
+                residual[i] = clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) * (inverse * 256.0f)));
+                sums[i / kHalf] += 256 * q[i] + residual[i];
             }
+            scales[at] = d / 256.0f;
+            scaled_sums[at] = scales[at] * static_cast<float>(sums[0] + sums[1]);
+            half_sums[2 * at] = sums[0];
+            half_sums[2 * at + 1] = sums[1];
+        }
     }
 
     static int8_t clamped(float rounded) { return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded))); }

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
+
 from draftwise.backend import native
 from draftwise.backend.weights.quantized import FILE_TYPES, QuantizedLinear, QuantizedMatrix, decode
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
-#: Relative error (in norm) allowed against the float64 product of the dequantised weights (measured: about 2e-5).
-PRODUCT_TOLERANCE = 1e-3
 
 
 def random_blocks(type_name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -53,13 +53,8 @@ def test_every_type_decodes_to_ggufs_values_bit_for_bit(type_name):
     assert np.array_equal(ours.view(np.uint32), gguf_values(blocks, type_name).numpy().view(np.uint32))
 
 
-def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
-    return ((ours.double() - exact.double()).norm() / exact.double().norm()).item()
-
-
 @pytest.mark.parametrize("type_name", FILE_TYPES)
 def test_every_types_product_is_its_integer_arithmetic(type_name):
-    from quantized_reference import reference_product
 
     matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
     linear = QuantizedLinear(matrix, None, kernels)
@@ -75,7 +70,6 @@ def test_every_types_product_is_its_integer_arithmetic(type_name):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_stacked_types_keep_every_value_and_every_row_alone(threads):
     """Fused projections of different types (a Q4_K_M file's Q4_K queries and Q6_K values) share one product."""
-    from quantized_reference import reference_product
 
     types = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_1")
     parts = [decode(random_blocks(name, 70, 256, seed=index), name) for index, name in enumerate(types)]

@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
+
 from draftwise.backend import native
 from draftwise.backend.weights.quantized import KINDS, SIGNED, QuantizedLinear, decode, dequantize, pack, quantize
 
-#: Largest relative error (in norm) of a quantised product against the float64 product of its dequantised weights:
-#: activations in 16-bit fixed point per group of 32 put it near 2e-5 on Gaussian rows.
-PRODUCT_TOLERANCE = 1e-3
-#: The same for a tiny model's logits after every layer's products.
+#: The largest relative error (in norm) of a tiny model's logits after every layer's products.
 LOGITS_TOLERANCE = 1e-3
-
-
-def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
-    return ((ours.double() - exact.double()).norm() / exact.double().norm()).item()
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
@@ -38,7 +33,6 @@ def rows(count: int, in_features: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (17, 576), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_is_its_integer_arithmetic_and_close_to_the_float_product(kind, out_features, in_features, bias):
-    from quantized_reference import reference_product
 
     blocks = quantize(matrix(out_features, in_features), kind)
     weights = dequantize(blocks, kind)

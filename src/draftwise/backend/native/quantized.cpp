@@ -109,7 +109,7 @@ struct QuantizedRows {
     static int8_t clamped(float rounded) { return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded))); }
 };
 
-// One group's value for 8 outputs from its integer sums (float32, the order of the notes above).
+// A packed group's float32 scales (and second-half scales, offsets) for its tile's 8 outputs.
 struct GroupFloats {
     const float* scale;
     const float* scale_high;

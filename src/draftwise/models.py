@@ -26,7 +26,7 @@ from .backend.calibration.costs import cost_curves
 from .backend.calibration.invariance import plan_rows
 from .backend.calibration.machine import MeasurementStore, cache_root, resolve_dtype
 from .backend.forward.graphed import lean_target
-from .backend.forward.lean import unsupported_reason
+from .backend.forward.lean import LeanTarget, unsupported_reason
 from .backend.target import Target, TransformersTarget
 from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
 from .errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
@@ -215,6 +215,59 @@ def _materialise(
     return folder
 
 
+def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None) -> tuple[LeanTarget, Any]:
+    """The lean forward of a GGUF file's own blocks and the file's tokenizer (``None`` where it has none), without a
+    float model. Config, tokenizer and the repacked products are kept in the cache folder (keyed by the file's path,
+    size and time and the packed layout's version): the first load reads the file (building a large vocabulary's
+    tokenizer and repacking take a while), later ones only the cache."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .backend.weights.gguf_file import (GGUFWeights, file_config, file_embedding, file_matrices, file_model,
+                                            load_packed, save_packed)
+    from .backend.weights.quantized import LAYOUT_VERSION
+
+    stat = gguf_file.stat()
+    identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}"
+    folder = ((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf-packed"
+              / hashlib.sha256(identity.encode()).hexdigest()[:16])
+    packed = folder / "packed.safetensors"
+    try:
+        if not _checkpoint_ready(folder):
+            config = file_config(gguf_file)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+            except Exception:  # a file without a tokenizer still runs on token ids
+                tokenizer = None
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".metadata-") as scratch:
+                staging = Path(scratch) / "metadata"
+                config.save_pretrained(str(staging))
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(staging))
+                (staging / "draftwise.json").write_text(json.dumps({"gguf": str(gguf_file)}))
+                if folder.exists():
+                    shutil.rmtree(folder)
+                os.replace(staging, folder)
+        config = AutoConfig.from_pretrained(str(folder))
+        if packed.is_file():
+            model, source, embedding = load_packed(packed, config)
+            target = lean_target(model, quantized=source, embedding=embedding)
+        else:
+            weights = GGUFWeights(gguf_file)
+            model = file_model(weights, config)
+            embedding = file_embedding(model, weights)
+            target = lean_target(model, quantized=file_matrices(model, weights), embedding=embedding)
+            del weights  # closes the file's mapping: only the packed products stay resident
+            save_packed(packed, model, target, embedding)
+    except ValueError as error:
+        raise ModelLoadError(f"{gguf_file}: {error}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception:
+        tokenizer = None
+    return target, tokenizer
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     for block in _read_chunks([path]):
@@ -326,7 +379,6 @@ def make_target(
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
-    store = MeasurementStore(Path(cache_dir) / "machine" if cache_dir is not None else None)
     reason = unsupported_reason(model)
     if (backend == "lean" or weights is not None) and reason is not None:
         raise UnsupportedModelError(f"the lean backend cannot run this model: {reason}; use backend='transformers'")
@@ -337,26 +389,38 @@ def make_target(
     if backend != "transformers" and reason is None:
         options: dict[str, Any] = {}
         if weights == "file":
-            from .backend.weights.gguf_file import file_matrices
+            from .backend.weights.gguf_file import GGUFWeights, file_embedding, file_matrices
 
             try:
-                options["quantized"] = file_matrices(model, gguf_file)
+                source = GGUFWeights(gguf_file)
+                options["quantized"] = file_matrices(model, source)
+                options["embedding"] = file_embedding(model, source)
+                target: Target = lean_target(model, **options)  # decodes and packs the matrices, one at a time
             except ValueError as error:
                 raise ModelLoadError(str(error)) from None
-        elif weights is not None:
-            options["quantization"] = weights
-        target: Target = lean_target(model, **options)
-        if calibrate:
-            plan_rows(target, store)
+        else:
+            if weights is not None:
+                options["quantization"] = weights
+            target = lean_target(model, **options)
     else:
         if fast_linear and model.device.type == "cpu":
             use_row_efficient_linear(model)
             use_grouped_query_sdpa(model)
         target = TransformersTarget(model)
-    if calibrate:
-        curves = cost_curves(target, store)
-        target.cost_prior, target.tree_cost_prior = curves.chain, curves.tree
+    _calibrate(target, cache_dir, calibrate)
     return target
+
+
+def _calibrate(target: Target, cache_dir: str | os.PathLike | None, calibrate: bool) -> None:
+    """Measure (or recall) ``target``'s row plan (lean forward) and cost curves on this machine (see
+    :func:`make_target`)."""
+    if not calibrate:
+        return
+    store = MeasurementStore(Path(cache_dir) / "machine" if cache_dir is not None else None)
+    if isinstance(target, LeanTarget):
+        plan_rows(target, store)
+    curves = cost_curves(target, store)
+    target.cost_prior, target.tree_cost_prior = curves.chain, curves.tree
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -400,7 +464,10 @@ def load_model(
 
     Returns:
         ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
-        dtype chosen; the tokenizer is ``None`` when the checkpoint has none.
+        dtype chosen; the tokenizer is ``None`` when the checkpoint has none. With ``weights="file"`` no float copy of
+        the file's quantised matrices is made: ``target.model`` holds its config and float tensors (norms, biases)
+        only, the products are packed once and kept in the cache folder, so later loads read neither the GGUF file
+        nor a float checkpoint.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -414,11 +481,22 @@ def load_model(
         raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    if weights == "file":
+        gguf_file = gguf_file_of(name_or_path, cache_dir)
+        if gguf_file is None:
+            if Path(name_or_path).expanduser().is_dir():
+                raise ModelLoadError(f"weights='file' runs a GGUF file's own blocks; {name_or_path} is a checkpoint "
+                                     "folder: give a preset or a .gguf file, or weights='q8_0'/'q4_0'")
+            resolve_checkpoint(name_or_path, cache_dir, progress)  # raises the error for what the name is
+        if torch.device(device).type != "cpu":
+            raise UnsupportedModelError(f"a GGUF file's own blocks run on the CPU kernels, not on {device}")
+        if backend == "transformers":
+            raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
+        target, tokenizer = _file_target(gguf_file, cache_dir)
+        _calibrate(target, cache_dir, calibrate)
+        target.tokenizer = tokenizer
+        return target, tokenizer
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
-    gguf_file = gguf_file_of(name_or_path, cache_dir) if weights == "file" else None
-    if weights == "file" and gguf_file is None:
-        raise ModelLoadError(f"weights='file' runs a GGUF file's own blocks; {name_or_path} is a checkpoint "
-                             "folder: give a preset or a .gguf file, or weights='q8_0'/'q4_0'")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except Exception as error:
@@ -431,6 +509,6 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception:
         tokenizer = None
-    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights, gguf_file)
+    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights)
     target.tokenizer = tokenizer
     return target, tokenizer

@@ -34,7 +34,7 @@ from ..rows import RowBlock, is_chain
 from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
-from ..weights.quantized import BLOCK_INPUTS, QuantizedLinear, QuantizedMatrix
+from ..weights.quantized import BLOCK_INPUTS, MatrixSource, QuantizedLinear, QuantizedMatrix, packed_product
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -174,7 +174,8 @@ class LeanTarget(Target):
     """A llama- or qwen2-family model run by the engine's own forward (see the module docstring).
 
     Args:
-        model: the transformers model whose weights are used (it stays the reference).
+        model: the transformers model whose weights are used (it stays the reference), or one without its
+            quantised matrices (see below).
         linear_min_rows: products are padded to at least this many rows (measured by
             :func:`draftwise.backend.calibration.invariance.plan_rows`; 1 until then).
         attention_min_rows: the same for attention's products.
@@ -191,10 +192,16 @@ class LeanTarget(Target):
             GGUF block quantisation (:mod:`draftwise.backend.weights.quantized`; a float32 model on the compiled CPU
             kernels); ``None`` keeps the model's float weights.
         quantized: block-quantised matrices as a GGUF file holds them, by the model's projection module (the output
-            head's module included) they replace (:func:`draftwise.backend.weights.gguf_file.file_matrices`): each
+            head's module included) they replace (:func:`draftwise.backend.weights.gguf_file.file_matrices`, or a
+            :class:`~draftwise.backend.weights.quantized.MatrixSource` of products packed before): each
             product whose projections all have one runs on them (the others keep their float weights). Each
             matrix must dequantise to exactly the module's weight: the model is then the float reference the
             quantised forward is compared with. Not with ``quantization``.
+        embedding: the token embedding's rows by id where ``model`` does not hold its table in float (a GGUF file's
+            blocks, :func:`draftwise.backend.weights.gguf_file.file_embedding`).
+
+    A model built without its quantised weights (:func:`draftwise.backend.weights.gguf_file.file_model`: those
+    matrices on the ``meta`` device, every one given by ``quantized``/``embedding``) runs on the CPU.
     """
 
     backend = "lean"
@@ -209,7 +216,8 @@ class LeanTarget(Target):
         huge_pages: bool = True,
         linear_fixed: bool = False,
         quantization: str | None = None,
-        quantized: Mapping[Any, QuantizedMatrix] | None = None,
+        quantized: Mapping[Any, QuantizedMatrix] | MatrixSource | None = None,
+        embedding: Any = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -226,7 +234,9 @@ class LeanTarget(Target):
         self.attention_min_rows = attention_min_rows
         #: Whether every linear product runs at exactly ``linear_min_rows`` rows (a fixed step shape).
         self.fixed_row_plan = linear_fixed
-        device, dtype = model.device, model.dtype
+        dtype = model.dtype
+        self._device = torch.device("cpu") if model.device.type == "meta" else model.device
+        device = self._device
         self.packed = packing_available(dtype, device) if packed is None else packed
         self.kernel = self._compiled_kernels(kernel)
 
@@ -234,19 +244,30 @@ class LeanTarget(Target):
             raise UnsupportedModelError("give quantization (quantise on load) or quantized (a file's blocks), not both")
         self._check_quantization(quantization or ("file" if quantized else None), linear_fixed)
         quantized = quantized or {}
+        given = {id(module.weight) for module in quantized}
+        if embedding is not None:
+            given.add(id(model.get_input_embeddings().weight))
+        missing = [name for name, parameter in model.named_parameters()
+                   if parameter.device.type == "meta" and id(parameter) not in given]
+        if missing:
+            raise UnsupportedModelError(f"the model holds no values for {missing[0]} and the forward was given no "
+                                        "quantised matrix for it")
 
         def make_product(weight: torch.Tensor, bias: torch.Tensor | None, modules: tuple[Any, ...]) -> Linear:
             if quantization is not None:
                 return QuantizedLinear.from_weight(weight, bias, quantization, self.kernel, linear_min_rows)
             if modules and all(module in quantized for module in modules):
-                return QuantizedLinear(QuantizedMatrix.stack([quantized[module] for module in modules]), bias,
-                                       self.kernel, linear_min_rows)
+                packed = packed_product(quantized, modules)
+                if packed.shape != tuple(weight.shape):
+                    raise UnsupportedModelError(f"a quantised matrix of shape {packed.shape} for a product of shape "
+                                                f"{tuple(weight.shape)}")
+                return QuantizedLinear(packed, bias, self.kernel, linear_min_rows)
             product = self.linear(weight, bias, linear_min_rows)
             product.fixed_rows = linear_fixed
             return product
 
         self.layers: list[LeanLayer] = [fuse_layer(layer, make_product) for layer in model.model.layers]
-        self.embedding = model.model.embed_tokens.weight.detach()
+        self.embedding = embedding if embedding is not None else model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         head = model.get_output_embeddings()
         self.head = make_product(head.weight.detach(), None if head.bias is None else head.bias.detach(), (head,))
@@ -362,6 +383,10 @@ class LeanTarget(Target):
     @property
     def linear_min_rows(self) -> int:
         return self.head.min_rows
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     @property
     def products(self) -> Iterator[Linear]:

@@ -40,35 +40,49 @@ class LeanLayer:
         return self.qkv, self.output, self.gate_up, self.down
 
 
+def _joined_weight(projections: tuple[Any, ...]) -> torch.Tensor:
+    """The weights of ``projections`` stacked by outputs (a lone projection's own weight, not a copy)."""
+    if len(projections) == 1:
+        return projections[0].weight.detach()
+    return torch.cat([projection.weight.detach() for projection in projections])
+
+
 def _joined_bias(projections: tuple[Any, ...]) -> torch.Tensor | None:
     """The biases of ``projections`` side by side (zeros for those without), or ``None`` when none has one."""
-    if all(projection.bias is None for projection in projections):
+    template = next((projection.bias for projection in projections if projection.bias is not None), None)
+    if template is None:
         return None
+    if len(projections) == 1:
+        return template.detach()
     return torch.cat([
-        projection.bias.detach() if projection.bias is not None else projection.weight.new_zeros(projection.out_features)
+        projection.bias.detach() if projection.bias is not None else template.new_zeros(projection.out_features)
         for projection in projections
     ])
+
+
+def layer_projections(layer: Any) -> dict[str, tuple[Any, ...]]:
+    """A llama/qwen2 decoder layer's projections as its four products fuse them, by the products' names."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return {"qkv": (attention.q_proj, attention.k_proj, attention.v_proj), "output": (attention.o_proj,),
+            "gate_up": (mlp.gate_proj, mlp.up_proj), "down": (mlp.down_proj,)}
+
+
+def product_modules(model: Any) -> dict[str, tuple[Any, ...]]:
+    """Every product of the lean forward of ``model`` by name (``layers.3.gate_up``, ``head``), in the order a
+    forward runs them (:func:`all_products`'s), with the model modules fused into it."""
+    products = {f"layers.{index}.{name}": modules for index, layer in enumerate(model.model.layers)
+                for name, modules in layer_projections(layer).items()}
+    products["head"] = (model.get_output_embeddings(),)
+    return products
 
 
 def fuse_layer(layer: Any, make_product: ProductFactory) -> LeanLayer:
     """``layer``'s weights (a llama/qwen2 decoder layer of transformers) with its products made by
     ``make_product``."""
-    attention, mlp = layer.self_attn, layer.mlp
-    qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
-    gate_up = (mlp.gate_proj, mlp.up_proj)
-    return LeanLayer(
-        attention_norm=layer.input_layernorm.weight.detach(),
-        qkv=make_product(torch.cat([projection.weight.detach() for projection in qkv]), _joined_bias(qkv), qkv),
-        output=make_product(attention.o_proj.weight.detach(), _optional(attention.o_proj.bias), (attention.o_proj,)),
-        mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=make_product(torch.cat([projection.weight.detach() for projection in gate_up]), _joined_bias(gate_up),
-                             gate_up),
-        down=make_product(mlp.down_proj.weight.detach(), _optional(mlp.down_proj.bias), (mlp.down_proj,)),
-    )
-
-
-def _optional(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.detach()
+    products = {name: make_product(_joined_weight(modules), _joined_bias(modules), modules)
+                for name, modules in layer_projections(layer).items()}
+    return LeanLayer(attention_norm=layer.input_layernorm.weight.detach(),
+                     mlp_norm=layer.post_attention_layernorm.weight.detach(), **products)
 
 
 def all_products(layers: list[LeanLayer], head: Linear) -> Iterator[Linear]:

@@ -19,6 +19,8 @@ dequantised matrix (``tests/quantized_reference.py`` states the arithmetic step 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,8 @@ from .products import Linear
 KINDS = ("q8_0", "q4_0")
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+#: The packed layout's version: repacked weights cached under another version are repacked again.
+LAYOUT_VERSION = 1
 #: Outputs per tile and inputs per group of the packed layout.
 TILE_OUTPUTS = 8
 BLOCK_INPUTS = 32
@@ -248,23 +252,69 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(np.ascontiguousarray(packed)), layout
 
 
+@dataclass
+class PackedMatrix:
+    """A matrix in the kernel's tiles (:func:`pack`), with what its product needs to know of it.
+
+    Attributes:
+        weight: ``(tiles, groups, bytes)`` uint8.
+        format: the layout's format (:func:`layout_format`).
+        shape: ``(out, in)``.
+        types: the GGUF types it came from.
+    """
+
+    weight: torch.Tensor
+    format: int
+    shape: tuple[int, int]
+    types: tuple[str, ...]
+
+    @classmethod
+    def of(cls, matrix: QuantizedMatrix) -> PackedMatrix:
+        weight, layout = pack(matrix)
+        return cls(weight, layout, tuple(matrix.shape), matrix.types)
+
+
+class MatrixSource(ABC):
+    """Where a forward takes block-quantised products from: the model modules (projections, the output head) it
+    has a matrix for, and the packed product of several of them stacked by outputs (a fused projection)."""
+
+    @abstractmethod
+    def __contains__(self, module: object) -> bool: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Any]: ...
+
+    @abstractmethod
+    def packed(self, modules: tuple[Any, ...]) -> PackedMatrix:
+        """The product of ``modules``' matrices stacked in that order, packed."""
+
+
+def packed_product(source: Any, modules: tuple[Any, ...]) -> PackedMatrix:
+    """``modules``' matrices from ``source`` (a :class:`MatrixSource`, or a mapping of modules to
+    :class:`QuantizedMatrix`) stacked by outputs and packed."""
+    if isinstance(source, MatrixSource):
+        return source.packed(modules)
+    return PackedMatrix.of(QuantizedMatrix.stack([source[module] for module in modules]))
+
+
 class QuantizedLinear(Linear):
     """``y = x @ W.T + bias`` over float32 rows, ``W`` kept block-quantised and repacked once (see the module notes):
     a :class:`~draftwise.backend.weights.products.Linear` whose rows need no padding (``min_rows`` 1 gives every row
     its bits alone).
 
     Args:
-        matrix: the weights (:func:`decode` of a GGUF file's blocks, or :meth:`from_weight`).
+        matrix: the weights (:func:`decode` of a GGUF file's blocks, or :meth:`from_weight`), or them packed.
         bias: ``(out_features,)`` or ``None`` (kept in float32).
         kernels: the compiled kernels' module (:func:`draftwise.backend.native.load_kernels`).
         min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
     """
 
-    def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, kernels: Any, min_rows: int = 1,
-                 fixed_rows: bool = False) -> None:
+    def __init__(self, matrix: QuantizedMatrix | PackedMatrix, bias: torch.Tensor | None, kernels: Any,
+                 min_rows: int = 1, fixed_rows: bool = False) -> None:
         if matrix.shape[1] % BLOCK_INPUTS:
             raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {matrix.shape[1]}")
-        self.weight, self.format = pack(matrix)
+        packed = matrix if isinstance(matrix, PackedMatrix) else PackedMatrix.of(matrix)
+        self.weight, self.format = packed.weight, packed.format
         self.types = matrix.types
         self.kernels = kernels
         self.out_features, self.in_features = matrix.shape

@@ -1,0 +1,81 @@
+"""A GGUF file loads as it is (``load_model(..., weights="file")``): no float copy of its quantised matrices, the
+products packed once and cached, and a forward bitwise that of the quantised products checked against the model
+transformers de-quantises from the same file (so every tensor went where it belongs: llama's query/key row order,
+qwen2's biases, a tied or separate head, the token embedding looked up from its blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import TINY_LLAMA, TINY_QWEN, write_random_gguf
+from quantized_reference import relative_error
+from tiny import prefill_and_chain_logits
+
+import draftwise
+from draftwise.backend import native
+from draftwise.backend.forward.lean import LeanTarget
+from draftwise.backend.weights import gguf_file
+from draftwise.backend.weights.quantized import QuantizedLinear
+from draftwise.errors import ModelLoadError
+from draftwise.models import make_target
+
+pytestmark = pytest.mark.skipif(native.load_kernels(warn=False) is None, reason="the kernels cannot be built here")
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 300]
+CHAIN = [12, 7, 7, 180, 64]
+
+
+def float_model(path):
+    """The float32 model transformers de-quantises from the GGUF file at ``path`` (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(("shape", "type_name"), [(TINY_LLAMA, "Q4_0"), (TINY_QWEN, "Q4_K")],
+                         ids=["llama-tied-q4_0", "qwen2-q4_k-q6_k-head"])
+def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch, shape, type_name):
+    path = write_random_gguf(tmp_path / "model.gguf", shape, type_name)
+    target, tokenizer = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+    assert tokenizer is not None and tokenizer.decode(tokenizer("hello")["input_ids"]) == "hello"
+    assert all(isinstance(product, QuantizedLinear) for product in target.products)
+    layer = target.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.device.type == "meta"  # no float copy of a quantised matrix
+    assert target.model.get_input_embeddings().weight.device.type == "meta"
+    assert layer.input_layernorm.weight.device.type == "cpu" and target.device.type == "cpu"
+
+    reference = float_model(path)
+    checked = make_target(reference, weights="file", gguf_file=path, calibrate=False)  # each matrix checked
+    ours = prefill_and_chain_logits(target, PROMPT, CHAIN, 32)
+    for mine, theirs in zip(ours, prefill_and_chain_logits(checked, PROMPT, CHAIN, 32)):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(ours, prefill_and_chain_logits(LeanTarget(reference), PROMPT, CHAIN, 32)):
+        assert relative_error(mine, theirs) < 1e-3
+
+    def unreadable(*args, **kwargs):
+        raise AssertionError("a cached model read the GGUF file again")
+
+    monkeypatch.setattr(gguf_file, "GGUFWeights", unreadable)
+    again, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+    for mine, theirs in zip(ours, prefill_and_chain_logits(again, PROMPT, CHAIN, 32)):
+        assert torch.equal(mine, theirs)
+    plain = draftwise.generate(again, tokenizer, prompt_ids=PROMPT, method="ar", max_new_tokens=12, ignore_eos=True)
+    drafted = draftwise.generate(again, tokenizer, prompt_ids=PROMPT * 3, method="pld", max_new_tokens=12,
+                                 ignore_eos=True)
+    assert len(plain.token_ids) == 12
+    assert drafted.token_ids == draftwise.generate(target, tokenizer, prompt_ids=PROMPT * 3, method="ar",
+                                                   max_new_tokens=12, ignore_eos=True).token_ids
+
+
+def test_a_file_that_does_not_fit_its_config_is_refused(tmp_path):
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data[: len(data) // 2]))  # truncated: the tensors run past the end
+    with pytest.raises(ModelLoadError, match="model.gguf"):
+        draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+
+
+def test_file_weights_run_on_the_lean_backend_and_the_cpu(tmp_path):
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
+    with pytest.raises(draftwise.UnsupportedModelError, match="lean"):
+        draftwise.load_model(str(path), weights="file", backend="transformers", calibrate=False, cache_dir=tmp_path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import TINY_LLAMA, TINY_QWEN, write_random_gguf
+from gguf_files import LLAMA2_7B, TINY_LLAMA, TINY_QWEN, write_random_gguf
 from quantized_reference import relative_error
 from tiny import prefill_and_chain_logits
 
@@ -79,3 +79,48 @@ def test_file_weights_run_on_the_lean_backend_and_the_cpu(tmp_path):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
     with pytest.raises(draftwise.UnsupportedModelError, match="lean"):
         draftwise.load_model(str(path), weights="file", backend="transformers", calibrate=False, cache_dir=tmp_path)
+
+
+LOAD_AND_DECODE = """
+import json, os, sys, time
+import torch
+import draftwise
+
+def resident_mb():
+    with open(f"/proc/{os.getpid()}/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) // 1024
+
+torch.set_num_threads(2)
+import transformers  # (the libraries' own memory is not the model's)
+before = resident_mb()
+start = time.perf_counter()
+target, tokenizer = draftwise.load_model(sys.argv[1], weights="file", calibrate=False, cache_dir=sys.argv[2])
+loaded = time.perf_counter() - start
+resident = resident_mb() - before
+output = draftwise.generate(target, tokenizer, prompt_ids=list(range(3, 35)), method="ar", max_new_tokens=4,
+                            ignore_eos=True)
+print(json.dumps({"resident_mb": resident, "load_s": loaded, "tokens": output.token_ids,
+                  "quantization": target.quantization}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("shape", "type_name"), [(LLAMA2_7B, "Q4_0")], ids=["llama2-7b-q4_0"])
+def test_a_7b_file_loads_in_5_gb_and_decodes(tmp_path, shape, type_name):
+    """A model of Llama-2-7B's shape (random weights, 3.8 GB as Q4_0) loads on a 24 GB machine without ever holding
+    float weights, resident in at most 5 GB (the packed products, the embedding's blocks), and decodes; the second
+    load reads the cache."""
+    import json
+    import subprocess
+    import sys
+
+    path = write_random_gguf(tmp_path / "model.gguf", shape, type_name)
+    runs = []
+    for _ in range(2):
+        finished = subprocess.run([sys.executable, "-c", LOAD_AND_DECODE, str(path), str(tmp_path / "cache")],
+                                  capture_output=True, text=True, timeout=900, check=False)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        runs.append(json.loads(finished.stdout.strip().splitlines()[-1]))
+    for run in runs:
+        assert run["resident_mb"] <= 5 * 1024 and len(run["tokens"]) == 4
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["quantization"] == runs[1]["quantization"]

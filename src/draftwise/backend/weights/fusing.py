@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .pages import gather_in_huge_pages
+from .pages import huge_page_views
 from .products import Linear
 
 #: Builds a product from a weight, an optional bias and the model's projections fused into it (one module, or
@@ -99,9 +99,10 @@ def place_in_huge_pages(products: list[Linear], device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     movable = [product for product in products if not product.packed]
-    placed = gather_in_huge_pages([product.weight for product in movable])
-    if placed is None:
+    places = huge_page_views([product.weight for product in movable])
+    if places is None:
         return False
-    for product, weight in zip(movable, placed):
-        product.weight = weight
+    for product, place in zip(movable, places):
+        place.copy_(product.weight)
+        product.weight = place  # the original goes now (where nothing else holds it), not after the last copy
     return True

@@ -297,7 +297,7 @@ def save_packed(path: str | os.PathLike, model: Any, target: Any, embedding: Emb
     products = {}
     for (key, _), product in zip(product_modules(model).items(), target.products):
         if isinstance(product, QuantizedLinear):
-            tensors[f"packed/{key}"] = product.weight.clone()  # (products may share one huge-page buffer)
+            tensors[f"packed/{key}"] = product.weight  # (views of one huge-page buffer, apart: safetensors takes them)
             products[key] = {"format": product.format, "shape": [product.out_features, product.in_features],
                              "types": list(product.types)}
     header = {"layout": LAYOUT_VERSION, "products": products}

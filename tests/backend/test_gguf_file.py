@@ -9,35 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import random_blocks
 from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
 
 from draftwise.backend import native
-from draftwise.backend.weights.quantized import FILE_TYPES, QuantizedLinear, QuantizedMatrix, decode
+from draftwise.backend.weights.quantized import FACTORED, FILE_TYPES, QuantizedLinear, QuantizedMatrix, decode, pack
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
-
-
-def random_blocks(type_name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """Random bytes in ``type_name``'s block layout, with finite, small float16 scales (and offsets)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    rng = np.random.default_rng(seed)
-    block_inputs, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    count = in_features // block_inputs
-    blocks = rng.integers(0, 256, size=(out_features, count, block_bytes), dtype=np.uint8)
-
-    def halves() -> np.ndarray:
-        return (rng.standard_normal((out_features, count)) * 0.01).astype(np.float16).view(np.uint8).reshape(
-            out_features, count, 2)
-
-    if type_name == "Q6_K":
-        blocks[..., 208:210] = halves()
-    else:
-        blocks[..., 0:2] = halves()
-        if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
-            blocks[..., 2:4] = halves()
-    return blocks.reshape(out_features, -1)
 
 
 def gguf_values(blocks: np.ndarray, type_name: str) -> torch.Tensor:
@@ -65,6 +44,33 @@ def test_every_types_product_is_its_integer_arithmetic(type_name):
     assert relative_error(output, inputs.double() @ matrix.dequantize().double().T) < PRODUCT_TOLERANCE
     for row in range(9):
         assert torch.equal(linear(inputs[row : row + 1])[0], output[row])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_pack_their_scales_factored_as_the_file_does(type_name):
+    """A super-block's float32 scale (and offset) per output times an int8 per group: the same exact values as the
+    unfactored scales, a byte an output and group instead of four."""
+    matrix = decode(random_blocks(type_name, 21, 512, seed=4), type_name)
+    factors = matrix.factors
+    assert factors is not None
+    scales = factors.scale[:, :, None, None] * factors.small_scales.reshape(21, 2, 8, 2).astype(np.float32)
+    assert np.array_equal(scales.reshape(21, 16, 2).view(np.uint32), matrix.scales.view(np.uint32))
+    if matrix.offsets is not None:
+        offsets = factors.offset[:, :, None] * factors.small_offsets.reshape(21, 2, 8).astype(np.float32)
+        assert np.array_equal(offsets.reshape(21, 16).view(np.uint32), matrix.offsets.view(np.uint32))
+    packed, layout = pack(matrix)
+    assert layout & FACTORED and packed.shape[:2] == (3, 2)  # tiles of 8 outputs, super-blocks of 256 inputs
+    unfactored = QuantizedMatrix(matrix.scales, matrix.offsets, matrix.quants, matrix.halves, matrix.types)
+    plain, plain_layout = pack(unfactored)
+    assert not plain_layout & FACTORED and packed.numel() < plain.numel()
+    inputs = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(QuantizedLinear(matrix, None, kernels)(inputs), QuantizedLinear(unfactored, None, kernels)(inputs))
+    k_stack = QuantizedMatrix.stack([matrix, decode(random_blocks("Q6_K", 11, 512, seed=8), "Q6_K")])
+    assert k_stack.factors is not None and pack(k_stack)[1] & FACTORED  # a Q4_K_M file's fused q/k (Q4_K), v (Q6_K)
+    assert torch.equal(QuantizedLinear(k_stack, None, kernels)(inputs), reference_product(inputs, k_stack, None))
+    mixed = QuantizedMatrix.stack([matrix, decode(random_blocks("Q8_0", 13, 512, seed=7), "Q8_0")])
+    assert mixed.factors is None  # a 32-input block type among them: plain float32 scales
+    assert torch.equal(QuantizedLinear(mixed, None, kernels)(inputs), reference_product(inputs, mixed, None))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -11,7 +11,8 @@ import torch
 from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
 
 from draftwise.backend import native
-from draftwise.backend.weights.quantized import KINDS, SIGNED, QuantizedLinear, decode, dequantize, pack, quantize
+from draftwise.backend.weights.quantized import (CENTRE_SHIFT, KINDS, NIBBLES, SIGNED, QuantizedLinear, decode,
+                                                 dequantize, pack, quantize)
 
 #: The largest relative error (in norm) of a tiny model's logits after every layer's products.
 LOGITS_TOLERANCE = 1e-3
@@ -75,7 +76,7 @@ def test_packing_keeps_every_block_value(kind):
     weights = dequantize(blocks, kind)
     packed, layout = pack(decode(blocks, kind))
     packed = packed.numpy()
-    assert packed.shape[:2] == (9, 2) and layout == (SIGNED if kind == "q8_0" else 1 | 8 << 4)  # Q4_0: nibbles + 8
+    assert packed.shape[:2] == (9, 2) and layout == (SIGNED if kind == "q8_0" else NIBBLES | 8 << CENTRE_SHIFT)  # Q4_0: + 8
     scales = packed[:, :, :32].copy().view(np.float32)  # (tiles, groups, 8 outputs)
     body = packed[:, :, 32:]
     if kind == "q8_0":

@@ -20,7 +20,10 @@
 // in eight vectors of 32 bytes, vector k holding inputs 4k..4k+3 of output j at bytes 4j..4j+3 (a dot product over
 // four inputs per 32-bit lane, one lane per output). Quants are stored unsigned as quant + centre (the centre is
 // subtracted from the integer sums, exactly), in nibbles with kNibbles (vector k's low nibbles, vector k + 4's high
-// ones), or as signed bytes with kSigned (Q8_0's range).
+// ones), or as signed bytes with kSigned (Q8_0's range). With kFactored (k-quants) the units are super-blocks of 8
+// groups: the 8 outputs' float32 scales (and offsets), then the 8 groups, each with int8 small scales (and small
+// offsets) in place of the floats; a group's scale is super scale * small scale, exact in float32 (the same value
+// as unfactored), so the arithmetic above does not change.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,8 +50,9 @@ constexpr int64_t kHalf = kGroup / 2;
 constexpr int kRowsPerPass = 4;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
 
-enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8 };
-constexpr int kCentreShift = 4;  // format >> 4: the centre of unsigned quants
+enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8, kFactored = 16 };
+constexpr int kCentreShift = 5;  // format >> 5: the centre of unsigned quants
+constexpr int64_t kSuperGroups = 8;  // groups in a factored super-block
 
 int centre_of(int64_t format) { return static_cast<int>(format >> kCentreShift); }
 
@@ -58,9 +62,24 @@ bool valid_format(int64_t format) {
     return (format & kNibbles) == 0 || centre_of(format) <= 15;
 }
 
+// Bytes of a group's scales (and offsets): float32 each, or one int8 each when factored.
+int64_t small_bytes(int64_t format) {
+    const int64_t count = (format & kHalves ? 2 : 1) + (format & kOffsets ? 1 : 0);
+    return count * kTile * (format & kFactored ? 1 : static_cast<int64_t>(sizeof(float)));
+}
+
 int64_t group_bytes(int64_t format) {
-    const int64_t floats = (format & kHalves ? 2 : 1) + (format & kOffsets ? 1 : 0);
-    return floats * kTile * static_cast<int64_t>(sizeof(float)) + (format & kNibbles ? kGroup * kTile / 2 : kGroup * kTile);
+    return small_bytes(format) + (format & kNibbles ? kGroup * kTile / 2 : kGroup * kTile);
+}
+
+// A factored super-block's header: the float32 super scales (and super offsets) of its tile's 8 outputs.
+int64_t header_bytes(int64_t format) {
+    return format & kFactored ? (format & kOffsets ? 2 : 1) * kTile * static_cast<int64_t>(sizeof(float)) : 0;
+}
+
+// Bytes of a packed unit: a group, or a factored super-block.
+int64_t unit_bytes(int64_t format) {
+    return format & kFactored ? header_bytes(format) + kSuperGroups * group_bytes(format) : group_bytes(format);
 }
 
 // Each row's activations quantised per group (see the notes above).
@@ -109,20 +128,28 @@ struct QuantizedRows {
     static int8_t clamped(float rounded) { return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded))); }
 };
 
-// A packed group's float32 scales (and second-half scales, offsets) for its tile's 8 outputs.
-struct GroupFloats {
-    const float* scale;
-    const float* scale_high;
-    const float* offset;
-};
-
-inline GroupFloats group_floats(const uint8_t* source, bool halves) {
-    const float* floats = reinterpret_cast<const float*>(source);
-    return {floats, floats + (halves ? kTile : 0), floats + (halves ? 2 : 1) * kTile};
+// Where group g of a tile starts (its scales, then its quants).
+inline const uint8_t* group_start(const uint8_t* tile, int64_t g, int64_t format) {
+    if (!(format & kFactored)) return tile + g * group_bytes(format);
+    return tile + (g / kSuperGroups) * unit_bytes(format) + header_bytes(format) + (g % kSuperGroups) * group_bytes(format);
 }
 
-inline const uint8_t* group_quants(const uint8_t* source, int64_t format) {
-    return source + ((format & kHalves ? 2 : 1) + (format & kOffsets ? 1 : 0)) * kTile * sizeof(float);
+// Where group g's super-block header starts (factored formats).
+inline const float* super_floats(const uint8_t* tile, int64_t g, int64_t format) {
+    return reinterpret_cast<const float*>(tile + (g / kSuperGroups) * unit_bytes(format));
+}
+
+inline const uint8_t* group_quants(const uint8_t* source, int64_t format) { return source + small_bytes(format); }
+
+// Output j's scale (part 0), second-half scale (part 1, with kHalves) and offset (part 2, with kOffsets) in group g:
+// the float32 of an unfactored group, or super value * small integer (exact) of a factored one.
+inline float group_float(const uint8_t* tile, int64_t g, int64_t format, int part, int64_t j) {
+    const uint8_t* source = group_start(tile, g, format);
+    const int slot = part == 2 ? (format & kHalves ? 2 : 1) : part;
+    if (!(format & kFactored)) return reinterpret_cast<const float*>(source)[slot * kTile + j];
+    const float* header = super_floats(tile, g, format);
+    const float super = header[(part == 2 ? 1 : 0) * kTile + j];
+    return super * static_cast<float>(reinterpret_cast<const int8_t*>(source)[slot * kTile + j]);
 }
 
 #if defined(__AVX2__)
@@ -158,18 +185,44 @@ inline __m256i lane_mask(int64_t count) {
 }
 
 // The rows [first, first + Rows) over one tile: every group's integer sums from the unpacked weights, then its value.
-template <bool Nibbles, bool Signed, bool Offsets, bool Halves, int Rows>
-void tile_rows(const uint8_t* tile, int64_t groups, int64_t bytes, int64_t format, const QuantizedRows& a,
+// Eight int8 at ``small`` times the eight floats of ``super``, in float32 (exact for a factored layout's values).
+inline __m256 small_times(const uint8_t* small, __m256 super) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(small));
+    return _mm256_mul_ps(super, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+}
+
+template <bool Nibbles, bool Signed, bool Offsets, bool Halves, bool Factored, int Rows>
+void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i low_nibbles = _mm256_set1_epi8(15);
     const int centre = centre_of(format);
+    const int64_t bytes = group_bytes(format);
+    constexpr int64_t kScaleWidth = Factored ? 1 : sizeof(float);
     __m256 sums[Rows];
     for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
+    __m256 super_scale = _mm256_setzero_ps(), super_offset = _mm256_setzero_ps();
+    const uint8_t* source = tile;
     for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* source = tile + g * bytes;
-        const GroupFloats floats = group_floats(source, Halves);
+        __m256 scale, scale_high = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+        if (Factored) {
+            if (g % kSuperGroups == 0) {  // a super-block's header, then its groups
+                const float* header = reinterpret_cast<const float*>(source);
+                super_scale = _mm256_loadu_ps(header);
+                if (Offsets) super_offset = _mm256_loadu_ps(header + kTile);
+                source += header_bytes(format);
+            }
+            scale = small_times(source, super_scale);
+            if (Halves) scale_high = small_times(source + kTile * kScaleWidth, super_scale);
+            if (Offsets) offset = small_times(source + (Halves ? 2 : 1) * kTile * kScaleWidth, super_offset);
+        } else {
+            const float* floats = reinterpret_cast<const float*>(source);
+            scale = _mm256_loadu_ps(floats);
+            if (Halves) scale_high = _mm256_loadu_ps(floats + kTile);
+            if (Offsets) offset = _mm256_loadu_ps(floats + (Halves ? 2 : 1) * kTile);
+        }
         const uint8_t* packed = group_quants(source, format);
+        source += bytes;
         __m256i weights[8];
         if (Nibbles) {
             for (int k = 0; k < 4; ++k) {
@@ -217,15 +270,12 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t bytes, int64_t forma
             }
             __m256 value;
             if (Halves)
-                value = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(floats.scale), _mm256_cvtepi32_ps(halves[0])),
-                                      _mm256_mul_ps(_mm256_loadu_ps(floats.scale_high), _mm256_cvtepi32_ps(halves[1])));
+                value = _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(halves[0])),
+                                      _mm256_mul_ps(scale_high, _mm256_cvtepi32_ps(halves[1])));
             else
-                value = _mm256_mul_ps(_mm256_loadu_ps(floats.scale),
-                                      _mm256_cvtepi32_ps(_mm256_add_epi32(halves[0], halves[1])));
+                value = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(halves[0], halves[1])));
             value = _mm256_mul_ps(value, _mm256_set1_ps(a.scales[at]));
-            if (Offsets)
-                value = _mm256_add_ps(value,
-                                      _mm256_mul_ps(_mm256_loadu_ps(floats.offset), _mm256_set1_ps(a.scaled_sums[at])));
+            if (Offsets) value = _mm256_add_ps(value, _mm256_mul_ps(offset, _mm256_set1_ps(a.scaled_sums[at])));
             sums[r] = _mm256_add_ps(sums[r], value);
         }
     }
@@ -235,39 +285,46 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t bytes, int64_t forma
         _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
 }
 
-template <bool Nibbles, bool Signed, bool Offsets, bool Halves>
-void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t bytes, int64_t format, const QuantizedRows& a,
+template <bool Nibbles, bool Signed, bool Offsets, bool Halves, bool Factored>
+void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                    int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     int64_t first = 0;
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        tile_rows<Nibbles, Signed, Offsets, Halves, kRowsPerPass>(tile, groups, bytes, format, a, first, bias, y,
-                                                                  y_stride, valid);
+        tile_rows<Nibbles, Signed, Offsets, Halves, Factored, kRowsPerPass>(tile, groups, format, a, first, bias, y,
+                                                                            y_stride, valid);
     switch (rows - first) {
-        case 1: tile_rows<Nibbles, Signed, Offsets, Halves, 1>(tile, groups, bytes, format, a, first, bias, y, y_stride, valid); break;
-        case 2: tile_rows<Nibbles, Signed, Offsets, Halves, 2>(tile, groups, bytes, format, a, first, bias, y, y_stride, valid); break;
-        case 3: tile_rows<Nibbles, Signed, Offsets, Halves, 3>(tile, groups, bytes, format, a, first, bias, y, y_stride, valid); break;
+        case 1: tile_rows<Nibbles, Signed, Offsets, Halves, Factored, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 2: tile_rows<Nibbles, Signed, Offsets, Halves, Factored, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 3: tile_rows<Nibbles, Signed, Offsets, Halves, Factored, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
         default: break;
     }
 }
 
-using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t, const float*,
-                             float*, int64_t, int64_t);
+using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, const float*, float*,
+                             int64_t, int64_t);
 
-template <bool Nibbles, bool Signed>
+template <bool Nibbles, bool Signed, bool Factored>
 TileProduct with_floats(int64_t format) {
     const bool offsets = format & kOffsets, halves = format & kHalves;
     if (offsets)
-        return halves ? tile_all_rows<Nibbles, Signed, true, true> : tile_all_rows<Nibbles, Signed, true, false>;
-    return halves ? tile_all_rows<Nibbles, Signed, false, true> : tile_all_rows<Nibbles, Signed, false, false>;
+        return halves ? tile_all_rows<Nibbles, Signed, true, true, Factored>
+                      : tile_all_rows<Nibbles, Signed, true, false, Factored>;
+    return halves ? tile_all_rows<Nibbles, Signed, false, true, Factored>
+                  : tile_all_rows<Nibbles, Signed, false, false, Factored>;
+}
+
+template <bool Factored>
+TileProduct with_quants(int64_t format) {
+    if (format & kNibbles) return with_floats<true, false, Factored>(format);
+    return format & kSigned ? with_floats<false, true, Factored>(format) : with_floats<false, false, Factored>(format);
 }
 
 TileProduct tile_product(int64_t format) {
-    if (format & kNibbles) return with_floats<true, false>(format);
-    return format & kSigned ? with_floats<false, true>(format) : with_floats<false, false>(format);
+    return format & kFactored ? with_quants<true>(format) : with_quants<false>(format);
 }
 #else
 // The same integer sums and float32 operations one output at a time.
-void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t bytes, int64_t format, const QuantizedRows& a,
+void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                           int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     const int centre = centre_of(format);
     const bool halves = format & kHalves;
@@ -275,9 +332,7 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t bytes, in
         for (int64_t j = 0; j < valid; ++j) {
             float sum = 0.0f;
             for (int64_t g = 0; g < groups; ++g) {
-                const uint8_t* source = tile + g * bytes;
-                const GroupFloats floats = group_floats(source, halves);
-                const uint8_t* packed = group_quants(source, format);
+                const uint8_t* packed = group_quants(group_start(tile, g, format), format);
                 const int64_t at = r * a.groups + g;
                 const int8_t* q = a.quants.data() + at * kGroup;
                 const int8_t* residual = a.residuals.data() + at * kGroup;
@@ -296,11 +351,12 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t bytes, in
                     totals[i / kHalf] += weight * (256 * q[i] + residual[i]);
                 }
                 for (int h = 0; h < 2; ++h) totals[h] -= centre * a.half_sums[2 * at + h];
-                float value = halves ? floats.scale[j] * static_cast<float>(totals[0]) +
-                                           floats.scale_high[j] * static_cast<float>(totals[1])
-                                     : floats.scale[j] * static_cast<float>(totals[0] + totals[1]);
+                const float scale = group_float(tile, g, format, 0, j);
+                float value = halves ? scale * static_cast<float>(totals[0]) +
+                                           group_float(tile, g, format, 1, j) * static_cast<float>(totals[1])
+                                     : scale * static_cast<float>(totals[0] + totals[1]);
                 value = value * a.scales[at];
-                if (format & kOffsets) value = value + floats.offset[j] * a.scaled_sums[at];
+                if (format & kOffsets) value = value + group_float(tile, g, format, 2, j) * a.scaled_sums[at];
                 sum = sum + value;
             }
             y[r * y_stride + j] = bias != nullptr ? sum + bias[j] : sum;
@@ -317,9 +373,10 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat && inputs.stride(1) == 1,
                 "inputs: (rows, in) float32, rows contiguous");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                    packed.size(2) == qp::group_bytes(format),
-                "packed: (tiles, groups, bytes) uint8 from the packing of this format");
-    const int64_t rows = inputs.size(0), tiles = packed.size(0), groups = packed.size(1);
+                    packed.size(2) == qp::unit_bytes(format),
+                "packed: (tiles, units, bytes) uint8 from the packing of this format");
+    const int64_t rows = inputs.size(0), tiles = packed.size(0);
+    const int64_t groups = packed.size(1) * (format & qp::kFactored ? qp::kSuperGroups : 1);
     TORCH_CHECK(inputs.size(1) == groups * qp::kGroup, "inputs: ", groups * qp::kGroup, " features");
     TORCH_CHECK(out_features > (tiles - 1) * qp::kTile && out_features <= tiles * qp::kTile,
                 "out_features: the packing's");
@@ -334,7 +391,7 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     const uint8_t* weights = packed.data_ptr<uint8_t>();
     const float* offsets = biased ? bias->data_ptr<float>() : nullptr;
     float* y = output.data_ptr<float>();
-    const int64_t bytes = qp::group_bytes(format);
+    const int64_t bytes = packed.size(1) * qp::unit_bytes(format);  // a tile's
 #if defined(__AVX2__)
     const qp::TileProduct product = qp::tile_product(format);
 #else
@@ -343,7 +400,7 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
             const int64_t column = t * qp::kTile;
-            product(weights + t * groups * bytes, groups, bytes, format, activations, rows,
+            product(weights + t * bytes, groups, format, activations, rows,
                     offsets == nullptr ? nullptr : offsets + column, y + column, out_features,
                     std::min<int64_t>(qp::kTile, out_features - column));
         }

@@ -34,14 +34,17 @@ KINDS = ("q8_0", "q4_0")
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: The packed layout's version: repacked weights cached under another version are repacked again.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 #: Outputs per tile and inputs per group of the packed layout.
 TILE_OUTPUTS = 8
 BLOCK_INPUTS = 32
+#: Groups of 32 inputs in a k-quant super-block (256 inputs).
+SUPER_GROUPS = 8
 #: The packed layout's format bits (``native/quantized.cpp``): quants in nibbles, an offset per group, a scale per
-#: half group (16 inputs), quants as signed bytes; the bits from CENTRE_SHIFT up hold the centre of unsigned quants.
-NIBBLES, OFFSETS, HALVES, SIGNED = 1, 2, 4, 8
-CENTRE_SHIFT = 4
+#: half group (16 inputs), quants as signed bytes, scales and offsets factored per super-block (:class:`ScaleFactors`);
+#: the bits from CENTRE_SHIFT up hold the centre of unsigned quants.
+NIBBLES, OFFSETS, HALVES, SIGNED, FACTORED = 1, 2, 4, 8, 16
+CENTRE_SHIFT = 5
 
 
 def _gguf_type(name: str) -> Any:
@@ -73,6 +76,31 @@ def dequantize(blocks: np.ndarray, kind: str) -> torch.Tensor:
 
 
 @dataclass
+class ScaleFactors:
+    """A k-quant matrix's scales and offsets as its file factors them: per super-block of 8 groups a float32 per
+    output times a small integer per group (per half group for scales): ``scales[o, g, h] = scale[o, g // 8] *
+    small_scales[o, g, h]`` and ``offsets[o, g] = offset[o, g // 8] * small_offsets[o, g]``, both exact in float32.
+    Packed so, a group's scales take a byte an output instead of four.
+
+    Attributes:
+        scale: ``(out, in / 256)`` float32.
+        small_scales: ``(out, in / 32, 2)`` int8.
+        offset: ``(out, in / 256)`` float32, or ``None`` (no offsets).
+        small_offsets: ``(out, in / 32)`` int8, or ``None``.
+    """
+
+    scale: np.ndarray
+    small_scales: np.ndarray
+    offset: np.ndarray | None
+    small_offsets: np.ndarray | None
+
+    def rows(self, order: np.ndarray) -> ScaleFactors:
+        return ScaleFactors(self.scale[order], self.small_scales[order],
+                            None if self.offset is None else self.offset[order],
+                            None if self.small_offsets is None else self.small_offsets[order])
+
+
+@dataclass
 class QuantizedMatrix:
     """A block-quantised ``(out, in)`` matrix in the common form: weight ``[o, i] = scales[o, i // 32, (i % 32) //
     16] * quants[o, i] + offsets[o, i // 32]`` (no offset where ``offsets`` is ``None``).
@@ -83,6 +111,7 @@ class QuantizedMatrix:
         quants: ``(out, in)`` int8.
         halves: whether the two halves' scales may differ (Q6_K).
         types: the GGUF types it came from (for reports).
+        factors: the same scales and offsets factored per super-block (k-quants), or ``None``.
     """
 
     scales: np.ndarray
@@ -90,6 +119,7 @@ class QuantizedMatrix:
     quants: np.ndarray
     halves: bool
     types: tuple[str, ...]
+    factors: ScaleFactors | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -107,7 +137,8 @@ class QuantizedMatrix:
     def rows(self, order: np.ndarray) -> QuantizedMatrix:
         """The matrix with its outputs in ``order``."""
         offsets = None if self.offsets is None else self.offsets[order]
-        return QuantizedMatrix(self.scales[order], offsets, self.quants[order], self.halves, self.types)
+        factors = None if self.factors is None else self.factors.rows(order)
+        return QuantizedMatrix(self.scales[order], offsets, self.quants[order], self.halves, self.types, factors)
 
     @staticmethod
     def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
@@ -121,7 +152,24 @@ class QuantizedMatrix:
                                       else np.full(part.scales.shape[:2], -0.0, np.float32) for part in parts])
         return QuantizedMatrix(np.concatenate([part.scales for part in parts]), offsets,
                                np.concatenate([part.quants for part in parts]), any(part.halves for part in parts),
-                               tuple(dict.fromkeys(kind for part in parts for kind in part.types)))
+                               tuple(dict.fromkeys(kind for part in parts for kind in part.types)),
+                               _stacked_factors(parts))
+
+
+def _stacked_factors(parts: list[QuantizedMatrix]) -> ScaleFactors | None:
+    """The parts' factors one above the other, where every part has them (else ``None``: plain scales)."""
+    if any(part.factors is None for part in parts):
+        return None
+    factors = [part.factors for part in parts]
+    offset = small_offsets = None
+    if any(factor.offset is not None for factor in factors):
+        # -0.0 x 0 = -0.0: the parts without offsets keep theirs (see stack).
+        offset = np.concatenate([factor.offset if factor.offset is not None
+                                 else np.full(factor.scale.shape, -0.0, np.float32) for factor in factors])
+        small_offsets = np.concatenate([factor.small_offsets if factor.small_offsets is not None
+                                        else np.zeros(factor.small_scales.shape[:2], np.int8) for factor in factors])
+    return ScaleFactors(np.concatenate([factor.scale for factor in factors]),
+                        np.concatenate([factor.small_scales for factor in factors]), offset, small_offsets)
 
 
 def _half_floats(data: np.ndarray) -> np.ndarray:
@@ -162,6 +210,7 @@ def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
     data = blocks.reshape(out, count, block_bytes)
     halves = False
     offsets = None
+    factors = None
     if block_inputs == BLOCK_INPUTS:
         scale = _half_floats(data[..., :2])[..., 0]  # (out, groups)
         if type_name == "Q8_0":
@@ -184,6 +233,8 @@ def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
         sc, mins = _k_scales(data[..., 4:16])  # (out, count, 8)
         scales = np.repeat((d * sc).reshape(out, count * 8, 1), 2, axis=2)
         offsets = -(dmin * mins).reshape(out, count * 8)
+        factors = ScaleFactors(d[..., 0], np.repeat(sc.astype(np.int8).reshape(out, count * 8, 1), 2, axis=2),
+                               -dmin[..., 0], mins.astype(np.int8).reshape(out, count * 8))
         if type_name == "Q4_K":  # 32 bytes hold sub-blocks 2j (low nibbles) and 2j + 1 (high)
             quants = _low_high(data[..., 16:].reshape(out, count, 4, 32), 32)
         else:
@@ -197,12 +248,15 @@ def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
         qh = data[..., 128:192].reshape(out, count, 2, 1, 32)
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
         quants = (low | (high << 4)).astype(np.int16) - 32
-        scale = data[..., 192:208].view(np.int8).astype(np.float32) * _half_floats(data[..., 208:210])
-        scales = scale.reshape(out, count * 8, 2)
+        small = data[..., 192:208].view(np.int8)
+        super_scale = _half_floats(data[..., 208:210])
+        scales = (small.astype(np.float32) * super_scale).reshape(out, count * 8, 2)
+        factors = ScaleFactors(super_scale[..., 0], np.ascontiguousarray(small).reshape(out, count * 8, 2), None, None)
         halves = True
     quants = np.ascontiguousarray(np.asarray(quants).reshape(out, -1).astype(np.int8))
     offsets = None if offsets is None else np.ascontiguousarray(offsets.reshape(out, -1), dtype=np.float32)
-    return QuantizedMatrix(np.ascontiguousarray(scales, dtype=np.float32), offsets, quants, halves, (type_name,))
+    return QuantizedMatrix(np.ascontiguousarray(scales, dtype=np.float32), offsets, quants, halves, (type_name,),
+                           factors)
 
 
 def layout_format(matrix: QuantizedMatrix) -> int:
@@ -216,29 +270,41 @@ def layout_format(matrix: QuantizedMatrix) -> int:
         layout = 0
     else:
         layout, centre = SIGNED, 0
+    factored = matrix.factors is not None and matrix.shape[1] % (SUPER_GROUPS * BLOCK_INPUTS) == 0
     return (layout | (OFFSETS if matrix.offsets is not None else 0) | (HALVES if matrix.halves else 0)
-            | centre << CENTRE_SHIFT)
+            | (FACTORED if factored else 0) | centre << CENTRE_SHIFT)
 
 
 def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
-    """``matrix`` repacked for ``quantized_linear``: ``(tiles, groups, bytes)`` uint8 (outputs past ``out`` zero)
-    and its format (:func:`layout_format`). A group of a tile of 8 outputs holds their scales as float32 (two rows of
-    them with :data:`HALVES`), their offsets (with :data:`OFFSETS`), then eight vectors of 32 bytes, vector k holding
-    inputs 4k..4k+3 of output j at bytes 4j..4j+3 (quant + centre); with :data:`NIBBLES` four vectors, vector k's low
-    nibbles and vector k + 4's high ones in one."""
+    """``matrix`` repacked for ``quantized_linear``: ``(tiles, units, bytes)`` uint8 (outputs past ``out`` zero) and
+    its format (:func:`layout_format`). A unit is a group of 32 inputs, or with :data:`FACTORED` a super-block of 8.
+
+    A group of a tile of 8 outputs holds their scales as float32 (two rows of them with :data:`HALVES`), their
+    offsets (with :data:`OFFSETS`), then eight vectors of 32 bytes, vector k holding inputs 4k..4k+3 of output j at
+    bytes 4j..4j+3 (quant + centre); with :data:`NIBBLES` four vectors, vector k's low nibbles and vector k + 4's high
+    ones in one. With :data:`FACTORED`, a super-block holds the 8 outputs' float32 scales (and offsets) of
+    :class:`ScaleFactors`, then its 8 groups, each with the small integer scales (two rows with :data:`HALVES`) and
+    offsets as int8 in place of the floats."""
     layout = layout_format(matrix)
     out, inputs = matrix.shape
     groups, tiles = inputs // BLOCK_INPUTS, -(-out // TILE_OUTPUTS)
     padded_rows = tiles * TILE_OUTPUTS
 
-    def tiled(values: np.ndarray) -> np.ndarray:  # (out, groups, k) -> (tiles, groups, k, 8)
+    def tiled(values: np.ndarray) -> np.ndarray:  # (out, units, k) -> (tiles, units, k * 8 values)
         full = np.zeros((padded_rows, *values.shape[1:]), values.dtype)
         full[:out] = values
-        return full.reshape(tiles, TILE_OUTPUTS, groups, -1).transpose(0, 2, 3, 1)
+        tiles_first = full.reshape(tiles, TILE_OUTPUTS, values.shape[1], -1).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(tiles_first).view(np.uint8).reshape(tiles, values.shape[1], -1)
 
-    parts = [tiled(matrix.scales if layout & HALVES else matrix.scales[..., :1])]
-    if layout & OFFSETS:
-        parts.append(tiled(matrix.offsets[..., None]))
+    factors = matrix.factors if layout & FACTORED else None
+    if factors is not None:
+        parts = [tiled(factors.small_scales if layout & HALVES else factors.small_scales[..., :1])]
+        if layout & OFFSETS:
+            parts.append(tiled(factors.small_offsets[..., None]))
+    else:
+        parts = [tiled(matrix.scales if layout & HALVES else matrix.scales[..., :1])]
+        if layout & OFFSETS:
+            parts.append(tiled(matrix.offsets[..., None]))
     stored = matrix.quants.astype(np.int16) + (layout >> CENTRE_SHIFT)
     quants = np.zeros((padded_rows, inputs), np.uint8)
     quants[:out] = stored.astype(np.int8).view(np.uint8) if layout & SIGNED else stored.astype(np.uint8)
@@ -246,9 +312,14 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     quants = quants.reshape(tiles, TILE_OUTPUTS, groups, 8, 4).transpose(0, 2, 3, 1, 4)
     if layout & NIBBLES:
         quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
-    parts.append(quants)
-    packed = np.concatenate([np.ascontiguousarray(part).view(np.uint8).reshape(tiles, groups, -1) for part in parts],
-                            axis=2)
+    parts.append(np.ascontiguousarray(quants).reshape(tiles, groups, -1))
+    packed = np.concatenate(parts, axis=2)
+    if factors is not None:
+        supers = groups // SUPER_GROUPS
+        header = [tiled(factors.scale[..., None])]
+        if layout & OFFSETS:
+            header.append(tiled(factors.offset[..., None]))
+        packed = np.concatenate(header + [packed.reshape(tiles, supers, -1)], axis=2)
     return torch.from_numpy(np.ascontiguousarray(packed)), layout
 
 

@@ -249,8 +249,14 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None) -> tuple[
                     shutil.rmtree(folder)
                 os.replace(staging, folder)
         config = AutoConfig.from_pretrained(str(folder))
+        cached = None
         if packed.is_file():
-            model, source, embedding = load_packed(packed, config)
+            try:
+                cached = load_packed(packed, config)
+            except Exception:  # a damaged or outdated cache file: repacked from the GGUF file below
+                packed.unlink()
+        if cached is not None:
+            model, source, embedding = cached
             target = lean_target(model, quantized=source, embedding=embedding)
         else:
             weights = GGUFWeights(gguf_file)

@@ -67,6 +67,18 @@ def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch,
                                                    max_new_tokens=12, ignore_eos=True).token_ids
 
 
+def test_a_damaged_cache_is_repacked_from_the_file(tmp_path):
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q6_K")
+    first, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+    (cached,) = (tmp_path / "gguf-packed").glob("*/packed.safetensors")
+    cached.write_bytes(cached.read_bytes()[:1000])
+    again, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+    for mine, theirs in zip(prefill_and_chain_logits(first, PROMPT, CHAIN, 32),
+                            prefill_and_chain_logits(again, PROMPT, CHAIN, 32)):
+        assert torch.equal(mine, theirs)
+    assert cached.stat().st_size > 1000
+
+
 def test_a_file_that_does_not_fit_its_config_is_refused(tmp_path):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
     data = bytearray(path.read_bytes())

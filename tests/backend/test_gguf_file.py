@@ -13,7 +13,8 @@ from gguf_files import random_blocks
 from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
 
 from draftwise.backend import native
-from draftwise.backend.weights.quantized import FACTORED, FILE_TYPES, QuantizedLinear, QuantizedMatrix, decode, pack
+from draftwise.backend.weights.quantized import (FACTORED, FILE_TYPES, HALF_FLOATS, QuantizedLinear, QuantizedMatrix,
+                                                 decode, pack)
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
@@ -69,8 +70,25 @@ def test_k_quants_pack_their_scales_factored_as_the_file_does(type_name):
     assert k_stack.factors is not None and pack(k_stack)[1] & FACTORED  # a Q4_K_M file's fused q/k (Q4_K), v (Q6_K)
     assert torch.equal(QuantizedLinear(k_stack, None, kernels)(inputs), reference_product(inputs, k_stack, None))
     mixed = QuantizedMatrix.stack([matrix, decode(random_blocks("Q8_0", 13, 512, seed=7), "Q8_0")])
-    assert mixed.factors is None  # a 32-input block type among them: plain float32 scales
+    assert mixed.factors is None and not pack(mixed)[1] & (FACTORED | HALF_FLOATS)  # a 32-input type among them:
+    # float32 scales (a k-quant's are not float16 values)
     assert torch.equal(QuantizedLinear(mixed, None, kernels)(inputs), reference_product(inputs, mixed, None))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_32_input_types_keep_their_float16_scales(type_name):
+    """Their files' float16 scales (and offsets) pack as float16: half the bytes, the same values and products."""
+    matrix = decode(random_blocks(type_name, 19, 256, seed=9), type_name)
+    packed, layout = pack(matrix)
+    assert layout & HALF_FLOATS and not layout & FACTORED
+    widened = QuantizedMatrix(matrix.scales + np.float32(0), matrix.offsets, matrix.quants, matrix.halves, matrix.types)
+    widened.scales[0, 0] = np.float32(1.0 + 2.0 ** -20)  # one scale that is no float16: float32 for all
+    wide, wide_layout = pack(widened)
+    assert not wide_layout & HALF_FLOATS and packed.numel() < wide.numel()
+    inputs = torch.randn(6, 256, generator=torch.Generator().manual_seed(10))
+    bias = torch.randn(19)
+    assert torch.equal(QuantizedLinear(matrix, bias, kernels)(inputs), reference_product(inputs, matrix, bias))
+    assert torch.equal(QuantizedLinear(widened, bias, kernels)(inputs), reference_product(inputs, widened, bias))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

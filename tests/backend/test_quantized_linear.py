@@ -11,8 +11,8 @@ import torch
 from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
 
 from draftwise.backend import native
-from draftwise.backend.weights.quantized import (CENTRE_SHIFT, KINDS, NIBBLES, SIGNED, QuantizedLinear, decode,
-                                                 dequantize, pack, quantize)
+from draftwise.backend.weights.quantized import (CENTRE_SHIFT, HALF_FLOATS, KINDS, NIBBLES, SIGNED, QuantizedLinear,
+                                                 decode, dequantize, pack, quantize)
 
 #: The largest relative error (in norm) of a tiny model's logits after every layer's products.
 LOGITS_TOLERANCE = 1e-3
@@ -76,9 +76,10 @@ def test_packing_keeps_every_block_value(kind):
     weights = dequantize(blocks, kind)
     packed, layout = pack(decode(blocks, kind))
     packed = packed.numpy()
-    assert packed.shape[:2] == (9, 2) and layout == (SIGNED if kind == "q8_0" else NIBBLES | 8 << CENTRE_SHIFT)  # Q4_0: + 8
-    scales = packed[:, :, :32].copy().view(np.float32)  # (tiles, groups, 8 outputs)
-    body = packed[:, :, 32:]
+    quants = SIGNED if kind == "q8_0" else NIBBLES | 8 << CENTRE_SHIFT  # Q4_0: + 8
+    assert packed.shape[:2] == (9, 2) and layout == quants | HALF_FLOATS  # the file's float16 scales, as they are
+    scales = packed[:, :, :16].copy().view(np.float16).astype(np.float32)  # (tiles, groups, 8 outputs)
+    body = packed[:, :, 16:]
     if kind == "q8_0":
         quants = body.reshape(9, 2, 8, 8, 4).view(np.int8).astype(np.float32)  # (tiles, groups, quads, outputs, 4)
     else:
@@ -96,7 +97,7 @@ def test_clear_refusals():
     with pytest.raises(TypeError, match="float32"):
         linear(rows(2, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="features"):
-        kernels.quantized_linear(rows(2, 32), linear.weight, 0, None, 64)
+        kernels.quantized_linear(rows(2, 32), linear.weight, linear.format, None, 64)
     with pytest.raises(RuntimeError, match="packing"):
         kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64)  # Q8_0 bytes read as nibbles
     with pytest.raises(RuntimeError, match="format"):

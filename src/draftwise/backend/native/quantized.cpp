@@ -23,11 +23,13 @@
 // ones), or as signed bytes with kSigned (Q8_0's range). With kFactored (k-quants) the units are super-blocks of 8
 // groups: the 8 outputs' float32 scales (and offsets), then the 8 groups, each with int8 small scales (and small
 // offsets) in place of the floats; a group's scale is super scale * small scale, exact in float32 (the same value
-// as unfactored), so the arithmetic above does not change.
+// as unfactored), so the arithmetic above does not change. With kHalfFloats a group's scales and offsets are stored
+// as float16, where every one of them is a float16 value (the 32-input types' are: their files hold them so).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -50,22 +52,28 @@ constexpr int64_t kHalf = kGroup / 2;
 constexpr int kRowsPerPass = 4;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
 
-enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8, kFactored = 16 };
-constexpr int kCentreShift = 5;  // format >> 5: the centre of unsigned quants
+enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8, kFactored = 16, kHalfFloats = 32 };
+constexpr int kCentreShift = 6;  // format >> 6: the centre of unsigned quants
+// How a group's scales are stored: float32, float16, or factored per super-block.
+enum ScaleKind : int { kFloatScales = 0, kHalfScales = 1, kFactoredScales = 2 };
 constexpr int64_t kSuperGroups = 8;  // groups in a factored super-block
 
 int centre_of(int64_t format) { return static_cast<int>(format >> kCentreShift); }
 
 bool valid_format(int64_t format) {
     if (format < 0 || centre_of(format) > 127) return false;
+    if ((format & kFactored) && (format & kHalfFloats)) return false;
     if (format & kSigned) return (format & kNibbles) == 0 && centre_of(format) == 0;
     return (format & kNibbles) == 0 || centre_of(format) <= 15;
 }
 
-// Bytes of a group's scales (and offsets): float32 each, or one int8 each when factored.
+// Bytes of one scale (or offset) of a group: float32, float16, or an int8 when factored.
+int64_t scale_width(int64_t format) { return format & kFactored ? 1 : format & kHalfFloats ? 2 : 4; }
+
+// Bytes of a group's scales (and offsets).
 int64_t small_bytes(int64_t format) {
     const int64_t count = (format & kHalves ? 2 : 1) + (format & kOffsets ? 1 : 0);
-    return count * kTile * (format & kFactored ? 1 : static_cast<int64_t>(sizeof(float)));
+    return count * kTile * scale_width(format);
 }
 
 int64_t group_bytes(int64_t format) {
@@ -146,6 +154,10 @@ inline const uint8_t* group_quants(const uint8_t* source, int64_t format) { retu
 inline float group_float(const uint8_t* tile, int64_t g, int64_t format, int part, int64_t j) {
     const uint8_t* source = group_start(tile, g, format);
     const int slot = part == 2 ? (format & kHalves ? 2 : 1) : part;
+    if (format & kHalfFloats) {
+        const uint16_t bits = reinterpret_cast<const uint16_t*>(source)[slot * kTile + j];
+        return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    }
     if (!(format & kFactored)) return reinterpret_cast<const float*>(source)[slot * kTile + j];
     const float* header = super_floats(tile, g, format);
     const float super = header[(part == 2 ? 1 : 0) * kTile + j];
@@ -191,14 +203,27 @@ inline __m256 small_times(const uint8_t* small, __m256 super) {
     return _mm256_mul_ps(super, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 }
 
-template <bool Nibbles, bool Signed, bool Offsets, bool Halves, bool Factored, int Rows>
+// Eight float16 at ``source`` in float32 (exact).
+inline __m256 eight_halves(const uint8_t* source) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
+#else
+    alignas(32) float values[8];
+    for (int j = 0; j < 8; ++j)
+        values[j] = static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(source)[j], c10::Half::from_bits()));
+    return _mm256_load_ps(values);
+#endif
+}
+
+template <bool Nibbles, bool Signed, bool Offsets, bool Halves, int Scales, int Rows>
 void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    constexpr bool Factored = Scales == kFactoredScales;
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i low_nibbles = _mm256_set1_epi8(15);
     const int centre = centre_of(format);
     const int64_t bytes = group_bytes(format);
-    constexpr int64_t kScaleWidth = Factored ? 1 : sizeof(float);
+    constexpr int64_t kScaleWidth = Factored ? 1 : Scales == kHalfScales ? 2 : sizeof(float);
     __m256 sums[Rows];
     for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
     __m256 super_scale = _mm256_setzero_ps(), super_offset = _mm256_setzero_ps();
@@ -215,6 +240,10 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
             scale = small_times(source, super_scale);
             if (Halves) scale_high = small_times(source + kTile * kScaleWidth, super_scale);
             if (Offsets) offset = small_times(source + (Halves ? 2 : 1) * kTile * kScaleWidth, super_offset);
+        } else if (Scales == kHalfScales) {
+            scale = eight_halves(source);
+            if (Halves) scale_high = eight_halves(source + kTile * kScaleWidth);
+            if (Offsets) offset = eight_halves(source + (Halves ? 2 : 1) * kTile * kScaleWidth);
         } else {
             const float* floats = reinterpret_cast<const float*>(source);
             scale = _mm256_loadu_ps(floats);
@@ -285,17 +314,17 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
         _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
 }
 
-template <bool Nibbles, bool Signed, bool Offsets, bool Halves, bool Factored>
+template <bool Nibbles, bool Signed, bool Offsets, bool Halves, int Scales>
 void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                    int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     int64_t first = 0;
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        tile_rows<Nibbles, Signed, Offsets, Halves, Factored, kRowsPerPass>(tile, groups, format, a, first, bias, y,
-                                                                            y_stride, valid);
+        tile_rows<Nibbles, Signed, Offsets, Halves, Scales, kRowsPerPass>(tile, groups, format, a, first, bias, y,
+                                                                          y_stride, valid);
     switch (rows - first) {
-        case 1: tile_rows<Nibbles, Signed, Offsets, Halves, Factored, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 2: tile_rows<Nibbles, Signed, Offsets, Halves, Factored, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 3: tile_rows<Nibbles, Signed, Offsets, Halves, Factored, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 1: tile_rows<Nibbles, Signed, Offsets, Halves, Scales, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 2: tile_rows<Nibbles, Signed, Offsets, Halves, Scales, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 3: tile_rows<Nibbles, Signed, Offsets, Halves, Scales, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
         default: break;
     }
 }
@@ -303,24 +332,25 @@ void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const Qu
 using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, const float*, float*,
                              int64_t, int64_t);
 
-template <bool Nibbles, bool Signed, bool Factored>
+template <bool Nibbles, bool Signed, int Scales>
 TileProduct with_floats(int64_t format) {
     const bool offsets = format & kOffsets, halves = format & kHalves;
     if (offsets)
-        return halves ? tile_all_rows<Nibbles, Signed, true, true, Factored>
-                      : tile_all_rows<Nibbles, Signed, true, false, Factored>;
-    return halves ? tile_all_rows<Nibbles, Signed, false, true, Factored>
-                  : tile_all_rows<Nibbles, Signed, false, false, Factored>;
+        return halves ? tile_all_rows<Nibbles, Signed, true, true, Scales>
+                      : tile_all_rows<Nibbles, Signed, true, false, Scales>;
+    return halves ? tile_all_rows<Nibbles, Signed, false, true, Scales>
+                  : tile_all_rows<Nibbles, Signed, false, false, Scales>;
 }
 
-template <bool Factored>
+template <int Scales>
 TileProduct with_quants(int64_t format) {
-    if (format & kNibbles) return with_floats<true, false, Factored>(format);
-    return format & kSigned ? with_floats<false, true, Factored>(format) : with_floats<false, false, Factored>(format);
+    if (format & kNibbles) return with_floats<true, false, Scales>(format);
+    return format & kSigned ? with_floats<false, true, Scales>(format) : with_floats<false, false, Scales>(format);
 }
 
 TileProduct tile_product(int64_t format) {
-    return format & kFactored ? with_quants<true>(format) : with_quants<false>(format);
+    if (format & kFactored) return with_quants<kFactoredScales>(format);
+    return format & kHalfFloats ? with_quants<kHalfScales>(format) : with_quants<kFloatScales>(format);
 }
 #else
 // The same integer sums and float32 operations one output at a time.

@@ -34,17 +34,18 @@ KINDS = ("q8_0", "q4_0")
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: The packed layout's version: repacked weights cached under another version are repacked again.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 #: Outputs per tile and inputs per group of the packed layout.
 TILE_OUTPUTS = 8
 BLOCK_INPUTS = 32
 #: Groups of 32 inputs in a k-quant super-block (256 inputs).
 SUPER_GROUPS = 8
 #: The packed layout's format bits (``native/quantized.cpp``): quants in nibbles, an offset per group, a scale per
-#: half group (16 inputs), quants as signed bytes, scales and offsets factored per super-block (:class:`ScaleFactors`);
-#: the bits from CENTRE_SHIFT up hold the centre of unsigned quants.
-NIBBLES, OFFSETS, HALVES, SIGNED, FACTORED = 1, 2, 4, 8, 16
-CENTRE_SHIFT = 5
+#: half group (16 inputs), quants as signed bytes, scales and offsets factored per super-block (:class:`ScaleFactors`),
+#: scales and offsets as float16 (where each is a float16 value); the bits from CENTRE_SHIFT up hold the centre of
+#: unsigned quants.
+NIBBLES, OFFSETS, HALVES, SIGNED, FACTORED, HALF_FLOATS = 1, 2, 4, 8, 16, 32
+CENTRE_SHIFT = 6
 
 
 def _gguf_type(name: str) -> Any:
@@ -271,8 +272,15 @@ def layout_format(matrix: QuantizedMatrix) -> int:
     else:
         layout, centre = SIGNED, 0
     factored = matrix.factors is not None and matrix.shape[1] % (SUPER_GROUPS * BLOCK_INPUTS) == 0
+    half = not factored and _exact_in_half(matrix.scales) and (matrix.offsets is None or
+                                                               _exact_in_half(matrix.offsets))
     return (layout | (OFFSETS if matrix.offsets is not None else 0) | (HALVES if matrix.halves else 0)
-            | (FACTORED if factored else 0) | centre << CENTRE_SHIFT)
+            | (FACTORED if factored else 0) | (HALF_FLOATS if half else 0) | centre << CENTRE_SHIFT)
+
+
+def _exact_in_half(values: np.ndarray) -> bool:
+    """Whether every float32 of ``values`` is a float16 value (the 32-input types' scales and offsets are)."""
+    return bool(np.array_equal(values.astype(np.float16).astype(np.float32).view(np.uint32), values.view(np.uint32)))
 
 
 def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
@@ -282,7 +290,7 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     A group of a tile of 8 outputs holds their scales as float32 (two rows of them with :data:`HALVES`), their
     offsets (with :data:`OFFSETS`), then eight vectors of 32 bytes, vector k holding inputs 4k..4k+3 of output j at
     bytes 4j..4j+3 (quant + centre); with :data:`NIBBLES` four vectors, vector k's low nibbles and vector k + 4's high
-    ones in one. With :data:`FACTORED`, a super-block holds the 8 outputs' float32 scales (and offsets) of
+    ones in one. With :data:`HALF_FLOATS` the scales and offsets are float16. With :data:`FACTORED`, a super-block holds the 8 outputs' float32 scales (and offsets) of
     :class:`ScaleFactors`, then its 8 groups, each with the small integer scales (two rows with :data:`HALVES`) and
     offsets as int8 in place of the floats."""
     layout = layout_format(matrix)
@@ -302,9 +310,10 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
         if layout & OFFSETS:
             parts.append(tiled(factors.small_offsets[..., None]))
     else:
-        parts = [tiled(matrix.scales if layout & HALVES else matrix.scales[..., :1])]
+        width = np.float16 if layout & HALF_FLOATS else np.float32
+        parts = [tiled((matrix.scales if layout & HALVES else matrix.scales[..., :1]).astype(width))]
         if layout & OFFSETS:
-            parts.append(tiled(matrix.offsets[..., None]))
+            parts.append(tiled(matrix.offsets[..., None].astype(width)))
     stored = matrix.quants.astype(np.int16) + (layout >> CENTRE_SHIFT)
     quants = np.zeros((padded_rows, inputs), np.uint8)
     quants[:out] = stored.astype(np.int8).view(np.uint8) if layout & SIGNED else stored.astype(np.uint8)

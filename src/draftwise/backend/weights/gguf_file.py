@@ -148,24 +148,39 @@ def file_model(source: str | os.PathLike | GGUFWeights, config: Any) -> Any:
         ValueError: the file does not fit the config.
     """
     from gguf import quants
-    from transformers import AutoModelForCausalLM
 
     weights = _source(source)
+    model = _empty_model(config)
+
+    def floats() -> Iterator[tuple[Any, str, torch.Tensor]]:
+        for tensor, module, attribute, order in weights.places(model):
+            if _is_matrix(tensor, module, attribute):
+                continue
+            current = getattr(module, attribute)
+            values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            if order is not None:
+                values = values[order]
+            if current is None or values.size != current.numel():
+                raise ValueError(f"{tensor.name} has {values.size} values; the model's {type(module).__name__} "
+                                 f"{attribute} {None if current is None else tuple(current.shape)}")
+            yield module, attribute, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(current.shape)
+
+    return _with_floats(model, floats())
+
+
+def _empty_model(config: Any) -> Any:
+    """The float32 transformers model of ``config`` on the ``meta`` device (no memory for its weights)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _with_floats(model: Any, floats: Iterator[tuple[Any, str, torch.Tensor]]) -> Any:
+    """``model`` with each ``(module, attribute, values)`` of ``floats`` set as a parameter, a tied head kept tied."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head.weight is embedding.weight
-    for tensor, module, attribute, order in weights.places(model):
-        if _is_matrix(tensor, module, attribute):
-            continue
-        current = getattr(module, attribute)
-        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        if order is not None:
-            values = values[order]
-        if current is None or values.size != current.numel():
-            raise ValueError(f"{tensor.name} has {values.size} values; the model's {type(module).__name__} "
-                             f"{attribute} {None if current is None else tuple(current.shape)}")
-        values = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(current.shape)
+    for module, attribute, values in floats:
         setattr(module, attribute, torch.nn.Parameter(values, requires_grad=False))
     if tied:
         head.weight = embedding.weight
@@ -318,33 +333,31 @@ def load_packed(path: str | os.PathLike, config: Any) -> tuple[Any, PackedProduc
         ValueError: a file of another packed layout, or one that does not fit ``config``.
     """
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    head, token_embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head.weight is token_embedding.weight
+    model = _empty_model(config)
     with safe_open(str(path), framework="pt") as handle:
         header = json.loads((handle.metadata() or {}).get("draftwise", "{}"))
         if header.get("layout") != LAYOUT_VERSION:
             raise ValueError(f"{path} holds products packed in another layout")
-        for key in handle.keys():
-            if not key.startswith("float/"):
-                continue
-            name = key.removeprefix("float/")
-            owner, _, attribute = name.rpartition(".")
-            module = model.get_submodule(owner)
-            current = getattr(module, attribute)
-            values = handle.get_tensor(key).clone()  # (a view of the mapped file would keep all of it mapped)
-            if current is None or tuple(current.shape) != tuple(values.shape):
-                raise ValueError(f"{path}: {name} does not fit the model")
-            setattr(module, attribute, torch.nn.Parameter(values, requires_grad=False))
+
+        def floats() -> Iterator[tuple[Any, str, torch.Tensor]]:
+            for key in handle.keys():
+                if not key.startswith("float/"):
+                    continue
+                name = key.removeprefix("float/")
+                owner, _, attribute = name.rpartition(".")
+                module = model.get_submodule(owner)
+                current = getattr(module, attribute)
+                values = handle.get_tensor(key).clone()  # (a view of the mapped file would keep all of it mapped)
+                if current is None or tuple(current.shape) != tuple(values.shape):
+                    raise ValueError(f"{path}: {name} does not fit the model")
+                yield module, attribute, values
+
+        _with_floats(model, floats())
         products = {key: PackedMatrix(handle.get_tensor(f"packed/{key}"), info["format"], tuple(info["shape"]),
                                       tuple(info["types"]))
                     for key, info in header["products"].items()}
         embedding = None
         if "embedding" in header:
             embedding = EmbeddingRows(handle.get_tensor("embedding").numpy(), header["embedding"])
-    if tied:
-        head.weight = token_embedding.weight
-    return model.eval(), PackedProducts(model, products), embedding
+    return model, PackedProducts(model, products), embedding

@@ -122,7 +122,7 @@ print(json.dumps({"resident_mb": resident, "load_s": loaded, "tokens": output.to
 def test_a_7b_file_loads_in_5_gb_and_decodes(tmp_path, shape, type_name):
     """A model of Llama-2-7B's shape (random weights, 3.8 GB as Q4_0) or Qwen2.5-7B's (4.4 GB as Q4_K, a Q6_K head)
     loads on a 24 GB machine without ever holding float weights, resident in at most 5 GB (the packed products, the
-    embedding's blocks; measured 4.2 and 4.7 GB), and decodes; the second load reads the cache."""
+    embedding's blocks; measured 3.8 and 4.7 GB), and decodes; the second load reads the cache."""
     import json
     import subprocess
     import sys

@@ -500,7 +500,7 @@ def load_model(
             raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
         target, tokenizer = _file_target(gguf_file, cache_dir)
         _calibrate(target, cache_dir, calibrate)
-        target.tokenizer = tokenizer
+        target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
     try:
@@ -516,5 +516,5 @@ def load_model(
     except Exception:
         tokenizer = None
     target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights)
-    target.tokenizer = tokenizer
+    target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
     return target, tokenizer

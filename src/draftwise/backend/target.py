@@ -62,6 +62,11 @@ class Target(ABC):
     #: The model's tokenizer when it was loaded with one (:func:`draftwise.load_model`): draft models are checked
     #: against its vocabulary.
     tokenizer: Any = None
+    #: What :func:`draftwise.load_model` loaded it from (a preset, GGUF file or folder) and with which ``weights``
+    #: (``None``: float weights); a draft model defaults to the same kind of weights, ``draft:model=self`` loads
+    #: ``source`` again.
+    source: str | None = None
+    weights: str | None = None
     #: Whether verification rows are bitwise plain decoding's on this machine (see
     #: :mod:`draftwise.backend.calibration.invariance`); when not, the engine verifies no drafts with this target.
     exact_trees: bool = True

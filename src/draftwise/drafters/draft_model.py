@@ -43,6 +43,10 @@ from ..models import eos_token_ids, load_model, make_target
 from .stores.acceptance import AcceptanceTracker
 
 
+#: The draft model's weights (see :class:`DraftModelDrafter`).
+DRAFT_WEIGHTS = ("file", "q8_0", "q4_0", "float")
+
+
 def draft_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """The draft distribution ``q`` of logit rows: softmax at the request's temperature (1 for greedy requests,
     where ``q`` only ranks and scores drafts)."""
@@ -250,7 +254,15 @@ class DraftModelDrafter(Drafter):
             context (:class:`DraftHead`); 0, or a vocabulary no bigger, scores all. Where the sequences' tokens fall
             outside it more than one time in :attr:`MISS_LIMIT`, the whole vocabulary is scored from then on.
         backend: how the draft model runs (see :func:`draftwise.load_model`).
+        weights: the draft model's weights when loaded by name: ``"file"`` (a GGUF file's blocks as shipped),
+            ``"q8_0"``/``"q4_0"`` (quantised on load), ``"float"`` (the target's float dtype), or ``None`` (the
+            default): the kind the target was loaded with, so a quantised target gets a quantised draft. Every kind
+            leaves the output the target's: a draft only proposes.
         cache_dir: where converted checkpoints are kept.
+
+    ``model="self"`` drafts with the target's own model loaded again from its source (a target from
+    :func:`draftwise.load_model`), by default as ``q4_0``: a quantised copy of a full-precision target that shares its
+    tokenizer by construction.
     """
 
     name = "draft"
@@ -266,6 +278,7 @@ class DraftModelDrafter(Drafter):
         adaptive: bool = True,
         vocab: int = 32768,
         backend: str = "auto",
+        weights: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         if model is None or (isinstance(model, str) and not model):
@@ -274,6 +287,10 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"width and depth must be >= 1, got width={width}, depth={depth}")
         if vocab < 0:
             raise ValueError(f"vocab must be >= 0 (0: the whole vocabulary), got {vocab}")
+        if weights is not None and weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"unknown draft weights {weights!r}; weights: {', '.join(DRAFT_WEIGHTS)}")
+        if weights is not None and not isinstance(model, str):
+            raise ValueError("weights applies to a draft model loaded by name; a loaded model runs as it is")
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self._given = None if isinstance(model, str) else model
         self.width = int(width)
@@ -281,6 +298,7 @@ class DraftModelDrafter(Drafter):
         self.adaptive = bool(adaptive)
         self.vocab = int(vocab)
         self.backend = backend
+        self.weights = weights
         self.cache_dir = cache_dir
         # Shared by forks: the loaded draft model and what its forwards cost.
         self._shared: dict[str, Any] = {
@@ -310,7 +328,7 @@ class DraftModelDrafter(Drafter):
                     self._given, self.backend, calibrate=False)
                 check_same_vocabulary(setup.target, draft, getattr(draft, "tokenizer", None), self.model_name)
             else:
-                draft = load_draft(self.model_name, setup.target, self.backend, self.cache_dir)
+                draft = load_draft(self.model_name, setup.target, self.backend, self.cache_dir, self.weights)
             self._shared["draft"] = draft
             self._shared["target"] = setup.target
             self._shared["head"] = self._make_head(draft, setup.target)
@@ -320,8 +338,8 @@ class DraftModelDrafter(Drafter):
 
     def _make_head(self, draft: Target, target: Target) -> DraftHead | None:
         vocabulary = draft.model.get_output_embeddings().weight.shape[0]
-        if not isinstance(draft, LeanTarget) or not 0 < self.vocab < vocabulary:
-            return None
+        if not isinstance(draft, LeanTarget) or draft.quantization is not None or not 0 < self.vocab < vocabulary:
+            return None  # (a quantised head reads fewer bytes than a float slice of it would)
         head = DraftHead(draft, self.vocab)
         head.cover(eos_token_ids(target.model, target.tokenizer))
         return head
@@ -451,11 +469,19 @@ def _head_option(head: DraftHead | None) -> dict[str, Any]:
     return {} if head is None else {"head": head}
 
 
-def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str | None = None) -> Target:
-    """Load draft model ``name`` on ``target``'s device in its dtype, refusing one whose vocabulary differs."""
-
-    draft, tokenizer = load_model(name, dtype=target.dtype, device=target.device, backend=backend,
-                                  cache_dir=cache_dir, calibrate=False, progress=True)
+def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str | None = None,
+               weights: str | None = None) -> Target:
+    """Load draft model ``name`` (``"self"``: the target's source) on ``target``'s device, with ``weights`` (``None``:
+    the kind ``target`` was loaded with; float weights in the target's dtype), refusing one whose vocabulary differs."""
+    if name == "self":
+        if target.source is None:
+            raise UnsupportedModelError("draft:model=self loads the target's model again: give a target loaded by "
+                                        "name (draftwise.load_model), or name the draft model")
+        name, weights = target.source, weights or "q4_0"
+    kind = target.weights if weights is None else None if weights == "float" else weights
+    dtype = target.dtype if kind is None else "auto"
+    draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
+                                  calibrate=False, progress=True, weights=kind)
     check_same_vocabulary(target, draft, tokenizer, name)
     return draft
 

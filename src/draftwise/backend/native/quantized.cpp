@@ -58,9 +58,11 @@ constexpr int kCentreShift = 6;  // format >> 6: the centre of unsigned quants
 enum ScaleKind : int { kFloatScales = 0, kHalfScales = 1, kFactoredScales = 2 };
 constexpr int64_t kSuperGroups = 8;  // groups in a factored super-block
 
-int centre_of(int64_t format) { return static_cast<int>(format >> kCentreShift); }
+// (The format helpers are constexpr, hence inline: an exported function of a shared library is called through its
+// PLT, never inlined, and these run for every group of the inner loops.)
+constexpr int centre_of(int64_t format) { return static_cast<int>(format >> kCentreShift); }
 
-bool valid_format(int64_t format) {
+constexpr bool valid_format(int64_t format) {
     if (format < 0 || centre_of(format) > 127) return false;
     if ((format & kFactored) && (format & kHalfFloats)) return false;
     if (format & kSigned) return (format & kNibbles) == 0 && centre_of(format) == 0;
@@ -68,25 +70,25 @@ bool valid_format(int64_t format) {
 }
 
 // Bytes of one scale (or offset) of a group: float32, float16, or an int8 when factored.
-int64_t scale_width(int64_t format) { return format & kFactored ? 1 : format & kHalfFloats ? 2 : 4; }
+constexpr int64_t scale_width(int64_t format) { return format & kFactored ? 1 : format & kHalfFloats ? 2 : 4; }
 
 // Bytes of a group's scales (and offsets).
-int64_t small_bytes(int64_t format) {
+constexpr int64_t small_bytes(int64_t format) {
     const int64_t count = (format & kHalves ? 2 : 1) + (format & kOffsets ? 1 : 0);
     return count * kTile * scale_width(format);
 }
 
-int64_t group_bytes(int64_t format) {
+constexpr int64_t group_bytes(int64_t format) {
     return small_bytes(format) + (format & kNibbles ? kGroup * kTile / 2 : kGroup * kTile);
 }
 
 // A factored super-block's header: the float32 super scales (and super offsets) of its tile's 8 outputs.
-int64_t header_bytes(int64_t format) {
+constexpr int64_t header_bytes(int64_t format) {
     return format & kFactored ? (format & kOffsets ? 2 : 1) * kTile * static_cast<int64_t>(sizeof(float)) : 0;
 }
 
 // Bytes of a packed unit: a group, or a factored super-block.
-int64_t unit_bytes(int64_t format) {
+constexpr int64_t unit_bytes(int64_t format) {
     return format & kFactored ? header_bytes(format) + kSuperGroups * group_bytes(format) : group_bytes(format);
 }
 

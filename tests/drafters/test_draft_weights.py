@@ -1,0 +1,60 @@
+"""A draft model loaded by name takes the kind of weights its target was loaded with (a GGUF file's blocks for a target
+that runs them), or the kind it is given; ``draft:model=self`` drafts with the target's own model quantised on load.
+The output stays plain greedy decoding's whatever the draft's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import TINY_LLAMA, TINY_QWEN, write_random_gguf
+from tiny import make_tiny_model
+
+import draftwise
+from draftwise.backend import native
+from draftwise.drafters.draft_model import DraftModelDrafter
+from draftwise.errors import UnsupportedModelError
+from draftwise.models import make_target
+
+needs_kernels = pytest.mark.skipif(native.load_kernels(warn=False) is None, reason="the kernels cannot be built here")
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 300, 5, 17, 99]
+
+
+def _generate(target, method, tokens=24):
+    return draftwise.generate(target, None, prompt_ids=PROMPT, method=method, max_new_tokens=tokens, ignore_eos=True)
+
+
+@needs_kernels
+def test_a_draft_by_name_runs_the_weights_its_target_runs(tmp_path):
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q4_K")
+    target, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+    assert target.source == str(path) and target.weights == "file"
+    drafter = DraftModelDrafter(model=str(path), depth=4, adaptive=False, cache_dir=str(tmp_path))
+    assert _generate(target, drafter).token_ids == _generate(target, "ar").token_ids
+    assert drafter.draft.weights == "file" and drafter.draft.quantization == target.quantization
+
+
+@needs_kernels
+def test_self_drafts_with_the_targets_model_quantised_on_load(tmp_path):
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
+    target, _ = draftwise.load_model(str(path), dtype="float32", calibrate=False, cache_dir=tmp_path)
+    assert target.weights is None  # a float target
+    plain = _generate(target, "ar").token_ids
+    drafter = DraftModelDrafter(model="self", depth=4, adaptive=False, cache_dir=str(tmp_path))
+    assert _generate(target, drafter).token_ids == plain
+    assert drafter.draft.weights == "q4_0" and drafter.draft.quantization == "q4_0"
+    method = f"draft:model=self,weights=q8_0,depth=3,cache_dir={tmp_path}"
+    assert _generate(target, method).token_ids == plain
+
+
+def test_draft_weights_are_checked():
+    with pytest.raises(ValueError, match="unknown draft weights"):
+        DraftModelDrafter(model="smollm2-135m", weights="q5_k")
+    with pytest.raises(ValueError, match="loaded by name"):
+        DraftModelDrafter(model=make_tiny_model("llama"), weights="q4_0")
+
+
+def test_self_needs_a_target_loaded_by_name():
+    target = make_target(make_tiny_model("llama").to(torch.float32), calibrate=False)
+    with pytest.raises(UnsupportedModelError, match="model=self"):
+        draftwise.generate(target, None, prompt_ids=[1, 2, 3], method=DraftModelDrafter(model="self"), max_new_tokens=4)

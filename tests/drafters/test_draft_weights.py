@@ -43,6 +43,7 @@ def test_self_drafts_with_the_targets_model_quantised_on_load(tmp_path):
     drafter = DraftModelDrafter(model="self", depth=4, adaptive=False, cache_dir=str(tmp_path))
     assert _generate(target, drafter).token_ids == plain
     assert drafter.draft.weights == "q4_0" and drafter.draft.quantization == "q4_0"
+    assert drafter.draft.model.model.layers[0].mlp.down_proj.weight.device.type == "meta"  # its float copy freed
     method = f"draft:model=self,weights=q8_0,depth=3,cache_dir={tmp_path}"
     assert _generate(target, method).token_ids == plain
 

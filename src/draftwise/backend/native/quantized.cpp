@@ -20,7 +20,8 @@
 // in eight vectors of 32 bytes, vector k holding inputs 4k..4k+3 of output j at bytes 4j..4j+3 (a dot product over
 // four inputs per 32-bit lane, one lane per output). Quants are stored unsigned as quant + centre (the centre is
 // subtracted from the integer sums, exactly), in nibbles with kNibbles (vector k's low nibbles, vector k + 4's high
-// ones), or as signed bytes with kSigned (Q8_0's range). With kFactored (k-quants) the units are super-blocks of 8
+// ones), in six bits with kSixBits (those nibbles, then two vectors of the top two bits: quad k's at bits 2 (k % 4) of
+// vector k / 4; Q6_K's and the 5-bit types' range), or as signed bytes with kSigned (Q8_0's range). With kFactored (k-quants) the units are super-blocks of 8
 // groups: the 8 outputs' float32 scales (and offsets), then the 8 groups, each with int8 small scales (and small
 // offsets) in place of the floats; a group's scale is super scale * small scale, exact in float32 (the same value
 // as unfactored), so the arithmetic above does not change. With kHalfFloats a group's scales and offsets are stored
@@ -52,8 +53,10 @@ constexpr int64_t kHalf = kGroup / 2;
 constexpr int kRowsPerPass = 4;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
 
-enum Format : int64_t { kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8, kFactored = 16, kHalfFloats = 32 };
-constexpr int kCentreShift = 6;  // format >> 6: the centre of unsigned quants
+enum Format : int64_t {
+    kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8, kFactored = 16, kHalfFloats = 32, kSixBits = 64
+};
+constexpr int kCentreShift = 7;  // format >> 7: the centre of unsigned quants
 // How a group's scales are stored: float32, float16, or factored per super-block.
 enum ScaleKind : int { kFloatScales = 0, kHalfScales = 1, kFactoredScales = 2 };
 constexpr int64_t kSuperGroups = 8;  // groups in a factored super-block
@@ -65,7 +68,9 @@ constexpr int centre_of(int64_t format) { return static_cast<int>(format >> kCen
 constexpr bool valid_format(int64_t format) {
     if (format < 0 || centre_of(format) > 127) return false;
     if ((format & kFactored) && (format & kHalfFloats)) return false;
-    if (format & kSigned) return (format & kNibbles) == 0 && centre_of(format) == 0;
+    if ((format & kNibbles) && (format & kSixBits)) return false;
+    if (format & kSigned) return (format & (kNibbles | kSixBits)) == 0 && centre_of(format) == 0;
+    if (format & kSixBits) return centre_of(format) <= 63;
     return (format & kNibbles) == 0 || centre_of(format) <= 15;
 }
 
@@ -79,7 +84,8 @@ constexpr int64_t small_bytes(int64_t format) {
 }
 
 constexpr int64_t group_bytes(int64_t format) {
-    return small_bytes(format) + (format & kNibbles ? kGroup * kTile / 2 : kGroup * kTile);
+    return small_bytes(format) + (format & kNibbles ? kGroup * kTile / 2 : format & kSixBits ? kGroup * kTile * 3 / 4
+                                                                                             : kGroup * kTile);
 }
 
 // A factored super-block's header: the float32 super scales (and super offsets) of its tile's 8 outputs.
@@ -217,7 +223,7 @@ inline __m256 eight_halves(const uint8_t* source) {
 #endif
 }
 
-template <bool Nibbles, bool Signed, bool Offsets, bool Halves, int Scales, int Rows>
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, int Rows>
 void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     constexpr bool Factored = Scales == kFactoredScales;
@@ -255,11 +261,21 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
         const uint8_t* packed = group_quants(source, format);
         source += bytes;
         __m256i weights[8];
-        if (Nibbles) {
+        if (Nibbles || SixBits) {
             for (int k = 0; k < 4; ++k) {
                 const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * k));
                 weights[k] = _mm256_and_si256(both, low_nibbles);
                 weights[k + 4] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low_nibbles);
+            }
+            if (SixBits) {  // each quad's top two bits, moved to bits 4-5 of its bytes
+                const __m256i top_bits = _mm256_set1_epi8(0x30);
+                for (int m = 0; m < 2; ++m) {
+                    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 128 + 32 * m));
+                    weights[4 * m] = _mm256_or_si256(weights[4 * m], _mm256_and_si256(_mm256_slli_epi16(plane, 4), top_bits));
+                    weights[4 * m + 1] = _mm256_or_si256(weights[4 * m + 1], _mm256_and_si256(_mm256_slli_epi16(plane, 2), top_bits));
+                    weights[4 * m + 2] = _mm256_or_si256(weights[4 * m + 2], _mm256_and_si256(plane, top_bits));
+                    weights[4 * m + 3] = _mm256_or_si256(weights[4 * m + 3], _mm256_and_si256(_mm256_srli_epi16(plane, 2), top_bits));
+                }
             }
         } else {
             for (int k = 0; k < 8; ++k) weights[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * k));
@@ -316,17 +332,17 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
         _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
 }
 
-template <bool Nibbles, bool Signed, bool Offsets, bool Halves, int Scales>
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>
 void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                    int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     int64_t first = 0;
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        tile_rows<Nibbles, Signed, Offsets, Halves, Scales, kRowsPerPass>(tile, groups, format, a, first, bias, y,
+        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, kRowsPerPass>(tile, groups, format, a, first, bias, y,
                                                                           y_stride, valid);
     switch (rows - first) {
-        case 1: tile_rows<Nibbles, Signed, Offsets, Halves, Scales, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 2: tile_rows<Nibbles, Signed, Offsets, Halves, Scales, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 3: tile_rows<Nibbles, Signed, Offsets, Halves, Scales, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 1: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 2: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 3: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
         default: break;
     }
 }
@@ -334,20 +350,22 @@ void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const Qu
 using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, const float*, float*,
                              int64_t, int64_t);
 
-template <bool Nibbles, bool Signed, int Scales>
+template <bool Nibbles, bool SixBits, bool Signed, int Scales>
 TileProduct with_floats(int64_t format) {
     const bool offsets = format & kOffsets, halves = format & kHalves;
     if (offsets)
-        return halves ? tile_all_rows<Nibbles, Signed, true, true, Scales>
-                      : tile_all_rows<Nibbles, Signed, true, false, Scales>;
-    return halves ? tile_all_rows<Nibbles, Signed, false, true, Scales>
-                  : tile_all_rows<Nibbles, Signed, false, false, Scales>;
+        return halves ? tile_all_rows<Nibbles, SixBits, Signed, true, true, Scales>
+                      : tile_all_rows<Nibbles, SixBits, Signed, true, false, Scales>;
+    return halves ? tile_all_rows<Nibbles, SixBits, Signed, false, true, Scales>
+                  : tile_all_rows<Nibbles, SixBits, Signed, false, false, Scales>;
 }
 
 template <int Scales>
 TileProduct with_quants(int64_t format) {
-    if (format & kNibbles) return with_floats<true, false, Scales>(format);
-    return format & kSigned ? with_floats<false, true, Scales>(format) : with_floats<false, false, Scales>(format);
+    if (format & kNibbles) return with_floats<true, false, false, Scales>(format);
+    if (format & kSixBits) return with_floats<false, true, false, Scales>(format);
+    return format & kSigned ? with_floats<false, false, true, Scales>(format)
+                            : with_floats<false, false, false, Scales>(format);
 }
 
 TileProduct tile_product(int64_t format) {
@@ -372,9 +390,11 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
                 for (int64_t i = 0; i < kGroup; ++i) {
                     const int64_t quad = i / 4, lane = i % 4;
                     int32_t weight;
-                    if (format & kNibbles) {
+                    if (format & (kNibbles | kSixBits)) {
                         const uint8_t byte = packed[32 * (quad % 4) + 4 * j + lane];
                         weight = quad < 4 ? byte & 15 : byte >> 4;
+                        if (format & kSixBits)
+                            weight |= ((packed[128 + 32 * (quad / 4) + 4 * j + lane] >> (2 * (quad % 4))) & 3) << 4;
                     } else if (format & kSigned) {
                         weight = static_cast<int8_t>(packed[32 * quad + 4 * j + lane]);
                     } else {

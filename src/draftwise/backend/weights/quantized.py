@@ -34,7 +34,7 @@ KINDS = ("q8_0", "q4_0")
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: The packed layout's version: repacked weights cached under another version are repacked again.
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 #: Outputs per tile and inputs per group of the packed layout.
 TILE_OUTPUTS = 8
 BLOCK_INPUTS = 32
@@ -42,10 +42,10 @@ BLOCK_INPUTS = 32
 SUPER_GROUPS = 8
 #: The packed layout's format bits (``native/quantized.cpp``): quants in nibbles, an offset per group, a scale per
 #: half group (16 inputs), quants as signed bytes, scales and offsets factored per super-block (:class:`ScaleFactors`),
-#: scales and offsets as float16 (where each is a float16 value); the bits from CENTRE_SHIFT up hold the centre of
-#: unsigned quants.
-NIBBLES, OFFSETS, HALVES, SIGNED, FACTORED, HALF_FLOATS = 1, 2, 4, 8, 16, 32
-CENTRE_SHIFT = 6
+#: scales and offsets as float16 (where each is a float16 value), quants in six bits (nibbles and a plane of their
+#: top two bits); the bits from CENTRE_SHIFT up hold the centre of unsigned quants.
+NIBBLES, OFFSETS, HALVES, SIGNED, FACTORED, HALF_FLOATS, SIX_BITS = 1, 2, 4, 8, 16, 32, 64
+CENTRE_SHIFT = 7
 
 
 def _gguf_type(name: str) -> Any:
@@ -261,12 +261,15 @@ def decode(blocks: np.ndarray, type_name: str) -> QuantizedMatrix:
 
 
 def layout_format(matrix: QuantizedMatrix) -> int:
-    """The packed layout's format: its bits and, from bit 4 up, the centre added to every quant to store it unsigned
-    (nibbles where quant + centre fits four bits, unsigned bytes where it stays below 128, else signed bytes)."""
+    """The packed layout's format: its bits and, from :data:`CENTRE_SHIFT` up, the centre added to every quant to
+    store it unsigned (nibbles where quant + centre fits four bits, six bits where it fits those, unsigned bytes where
+    it stays below 128, else signed bytes)."""
     low, high = (int(matrix.quants.min()), int(matrix.quants.max())) if matrix.quants.size else (0, 0)
     centre = max(0, -low)
     if high + centre <= 15:
         layout = NIBBLES
+    elif high + centre <= 63:  # Q6_K and the 5-bit types
+        layout = SIX_BITS
     elif high + centre <= 127:
         layout = 0
     else:
@@ -290,7 +293,8 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     A group of a tile of 8 outputs holds their scales as float32 (two rows of them with :data:`HALVES`), their
     offsets (with :data:`OFFSETS`), then eight vectors of 32 bytes, vector k holding inputs 4k..4k+3 of output j at
     bytes 4j..4j+3 (quant + centre); with :data:`NIBBLES` four vectors, vector k's low nibbles and vector k + 4's high
-    ones in one. With :data:`HALF_FLOATS` the scales and offsets are float16. With :data:`FACTORED`, a super-block holds the 8 outputs' float32 scales (and offsets) of
+    ones in one; with :data:`SIX_BITS` those four vectors of the quants' low nibbles, then two vectors of their top two
+    bits, quad k's at bits 2(k % 4) of vector k // 4. With :data:`HALF_FLOATS` the scales and offsets are float16. With :data:`FACTORED`, a super-block holds the 8 outputs' float32 scales (and offsets) of
     :class:`ScaleFactors`, then its 8 groups, each with the small integer scales (two rows with :data:`HALVES`) and
     offsets as int8 in place of the floats."""
     layout = layout_format(matrix)
@@ -319,8 +323,14 @@ def pack(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     quants[:out] = stored.astype(np.int8).view(np.uint8) if layout & SIGNED else stored.astype(np.uint8)
     # (tiles, 8 outputs j, groups, 8 quads k, 4 inputs) -> (tiles, groups, k, j, 4)
     quants = quants.reshape(tiles, TILE_OUTPUTS, groups, 8, 4).transpose(0, 2, 3, 1, 4)
-    if layout & NIBBLES:
-        quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
+    if layout & (NIBBLES | SIX_BITS):
+        low = quants & 15
+        nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)
+        if layout & SIX_BITS:  # then two vectors of top bits: quad k's at bits 2(k % 4) of vector k // 4
+            top = (quants >> 4).reshape(tiles, groups, 2, 4, TILE_OUTPUTS, 4)
+            planes = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+            nibbles = np.concatenate([nibbles, planes], axis=2)
+        quants = nibbles
     parts.append(np.ascontiguousarray(quants).reshape(tiles, groups, -1))
     packed = np.concatenate(parts, axis=2)
     if factors is not None:

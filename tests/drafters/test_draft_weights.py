@@ -35,15 +35,22 @@ def test_a_draft_by_name_runs_the_weights_its_target_runs(tmp_path):
 
 
 @needs_kernels
-def test_self_drafts_with_the_targets_model_quantised_on_load(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_self_drafts_with_the_targets_model_quantised(tmp_path, dtype):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
-    target, _ = draftwise.load_model(str(path), dtype="float32", calibrate=False, cache_dir=tmp_path)
+    target, _ = draftwise.load_model(str(path), dtype=dtype, calibrate=False, cache_dir=tmp_path)
     assert target.weights is None  # a float target
     plain = _generate(target, "ar").token_ids
     drafter = DraftModelDrafter(model="self", depth=4, adaptive=False, cache_dir=str(tmp_path))
     assert _generate(target, drafter).token_ids == plain
-    assert drafter.draft.weights == "q4_0" and drafter.draft.quantization == "q4_0"
-    assert drafter.draft.model.model.layers[0].mlp.down_proj.weight.device.type == "meta"  # its float copy freed
+    draft = drafter.draft
+    assert draft.weights == "q4_0" and draft.quantization == "q4_0"
+    down = target.model.model.layers[0].mlp.down_proj.weight
+    if dtype == "float32":  # quantised from the target's own tensors, which stay
+        assert draft.model is target.model and down.device.type == "cpu"
+    else:  # loaded again in float32, quantised, its float copy freed
+        assert draft.model is not target.model and down.device.type == "cpu"
+        assert draft.model.model.layers[0].mlp.down_proj.weight.device.type == "meta"
     method = f"draft:model=self,weights=q8_0,depth=3,cache_dir={tmp_path}"
     assert _generate(target, method).token_ids == plain
 

@@ -260,9 +260,9 @@ class DraftModelDrafter(Drafter):
             leaves the output the target's: a draft only proposes.
         cache_dir: where converted checkpoints are kept.
 
-    ``model="self"`` drafts with the target's own model loaded again from its source (a target from
-    :func:`draftwise.load_model`), by default as ``q4_0``: a quantised copy of a full-precision target that shares its
-    tokenizer by construction.
+    ``model="self"`` drafts with the target's own model quantised (a target from :func:`draftwise.load_model`), by
+    default as ``q4_0``: a quantised copy of a full-precision target that shares its tokenizer by construction. A
+    float32 target on the CPU lends its own tensors to be quantised; any other is loaded again from its source.
     """
 
     name = "draft"
@@ -477,7 +477,14 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
         if target.source is None:
             raise UnsupportedModelError("draft:model=self loads the target's model again: give a target loaded by "
                                         "name (draftwise.load_model), or name the draft model")
-        name, weights = target.source, weights or "q4_0"
+        weights = weights or "q4_0"
+        if (weights in ("q8_0", "q4_0") and isinstance(target, LeanTarget) and target.weights is None
+                and target.dtype == torch.float32 and target.device.type == "cpu"):
+            # The target's own float32 tensors, quantised: no second load, no second float copy.
+            draft = make_target(target.model, backend="lean", calibrate=False, weights=weights)
+            draft.tokenizer, draft.source, draft.weights = target.tokenizer, target.source, weights
+            return draft
+        name = target.source
     kind = target.weights if weights is None else None if weights == "float" else weights
     dtype = target.dtype if kind is None else "auto"
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,

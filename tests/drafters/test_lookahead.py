@@ -311,7 +311,11 @@ def test_greedy_ids_match_ar(tiny_model, spec, budget, seed, monkeypatch):
         assert result.stats.drafted_tokens <= budget * (result.stats.steps - 1)
 
 
-def test_pool_outlives_requests_and_helps(tiny_qwen2):
+def test_pool_outlives_requests_and_helps(tiny_qwen2, monkeypatch):
+    # Rows priced as free (as above): whether the first request's drafts pay for their drafting time, and so are
+    # verified and harvested, depends on the machine's load; this test is about the pool.
+    monkeypatch.setattr(LatencyModel, "of", classmethod(lambda cls, target: cls(prior={1: 1.0, 1024: 1.0})))
+    monkeypatch.setattr(LatencyModel, "record", lambda self, *args, **kwargs: None)
     prompt = repetitive_prompt(random.Random(3), low=12, high=12)
     drafter = LookaheadDrafter(context_ngrams=False)
     first = draftwise.generate(tiny_qwen2, None, prompt_ids=prompt, method=drafter, max_new_tokens=40)

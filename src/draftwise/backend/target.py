@@ -63,8 +63,8 @@ class Target(ABC):
     #: against its vocabulary.
     tokenizer: Any = None
     #: What :func:`draftwise.load_model` loaded it from (a preset, GGUF file or folder) and with which ``weights``
-    #: (``None``: float weights); a draft model defaults to the same kind of weights, ``draft:model=self`` loads
-    #: ``source`` again.
+    #: (``None``: float weights); a draft model defaults to the same kind of weights, ``draft:model=self`` quantises
+    #: this target's model (loaded again from ``source`` where its own tensors cannot lend themselves).
     source: str | None = None
     weights: str | None = None
     #: Whether verification rows are bitwise plain decoding's on this machine (see

@@ -34,6 +34,7 @@ import torch
 from ..backend.forward.lean import LeanTarget
 from ..backend.rows import CACHE, RowBlock
 from ..backend.target import Target
+from ..backend.weights.quantized import KINDS
 from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
 from ..decoding.latency import LatencyModel
 from ..decoding.sampling import SamplingParams
@@ -44,7 +45,7 @@ from .stores.acceptance import AcceptanceTracker
 
 
 #: The draft model's weights (see :class:`DraftModelDrafter`).
-DRAFT_WEIGHTS = ("file", "q8_0", "q4_0", "float")
+DRAFT_WEIGHTS = ("file", *KINDS, "float")
 
 
 def draft_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -478,7 +479,7 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
             raise UnsupportedModelError("draft:model=self loads the target's model again: give a target loaded by "
                                         "name (draftwise.load_model), or name the draft model")
         weights = weights or "q4_0"
-        if (weights in ("q8_0", "q4_0") and isinstance(target, LeanTarget) and target.weights is None
+        if (weights in KINDS and isinstance(target, LeanTarget) and target.weights is None
                 and target.dtype == torch.float32 and target.device.type == "cpu"):
             # The target's own float32 tensors, quantised: no second load, no second float copy.
             draft = make_target(target.model, backend="lean", calibrate=False, weights=weights)
@@ -489,7 +490,7 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
     dtype = target.dtype if kind is None else "auto"
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
                                   calibrate=False, progress=True, weights=kind)
-    if kind in ("q8_0", "q4_0"):
+    if kind in KINDS:
         release_float_matrices(draft)
     check_same_vocabulary(target, draft, tokenizer, name)
     return draft

@@ -1,6 +1,6 @@
 """GGUF files of llama/qwen2 shape with random weights, written block by block (a model of 7B shape never exists as
 floats): random bytes in each type's block layout with small finite float16 scales, float32 norms near one, qwen2's
-query/key/value biases, and a byte-level tokenizer (256 byte tokens, one merge, filler tokens up to the vocabulary) that transformers and
+query/key/value biases, and a byte-level tokenizer (256 byte tokens, two merges, filler tokens up to the vocabulary) that transformers and
 llama.cpp both read."""
 
 from __future__ import annotations
@@ -107,11 +107,13 @@ def write_random_gguf(path: str | Path, shape: Shape, type_name: str = "Q4_0", h
     writer.add_rope_freq_base(10000.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    tokens = _byte_tokens() + ["ab"] + [f"<t{index}>" for index in range(shape.vocab - 259)] + ["<s>", "</s>"]
+    tokens = _byte_tokens() + ["ab", "abc"] + [f"<t{index}>" for index in range(shape.vocab - 260)] + ["<s>", "</s>"]
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (shape.vocab - 2) + [3, 3])
     writer.add_token_scores([0.0] * shape.vocab)
-    writer.add_token_merges(["a b"])  # (llama.cpp refuses a byte-level vocabulary without merges)
+    # (llama.cpp refuses a byte-level vocabulary without merges; transformers before 5.24 read a list of one merge
+    # as the merge's characters)
+    writer.add_token_merges(["a b", "ab c"])
     writer.add_bos_token_id(shape.vocab - 2)
     writer.add_eos_token_id(shape.vocab - 1)
 

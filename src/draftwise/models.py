@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .backend import native
 from .backend.calibration.costs import cost_curves
 from .backend.calibration.invariance import plan_rows
 from .backend.calibration.machine import MeasurementStore, cache_root, resolve_dtype
@@ -215,11 +216,13 @@ def _materialise(
     return folder
 
 
-def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None) -> tuple[LeanTarget, Any]:
-    """The lean forward of a GGUF file's own blocks and the file's tokenizer (``None`` where it has none), without a
-    float model. Config, tokenizer and the repacked products are kept in the cache folder (keyed by the file's path,
-    size and time and the packed layout's version): the first load reads the file (building a large vocabulary's
-    tokenizer and repacking take a while), later ones only the cache."""
+def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
+                 device: torch.device = torch.device("cpu")) -> tuple[LeanTarget, Any]:
+    """The lean forward of a GGUF file's own blocks on ``device`` and the file's tokenizer (``None`` where it has
+    none), without a float model. Config, tokenizer and (for the compiled CPU kernels) the repacked products are kept
+    in the cache folder (keyed by the file's path, size and time and the packed layout's version): the first load
+    reads the file (building a large vocabulary's tokenizer and repacking take a while), later ones only the cache.
+    On other devices the blocks are decoded from the file at each load and dequantised at every step there."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .backend.weights.gguf_file import (GGUFWeights, file_config, file_embedding, file_matrices, file_model,
@@ -249,8 +252,10 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None) -> tuple[
                     shutil.rmtree(folder)
                 os.replace(staging, folder)
         config = AutoConfig.from_pretrained(str(folder))
+        # Products packed for the compiled CPU kernels are kept; elsewhere blocks are decoded from the file.
+        kernels = device.type == "cpu" and native.load_kernels(warn=False) is not None
         cached = None
-        if packed.is_file():
+        if kernels and packed.is_file():
             try:
                 cached = load_packed(packed, config)
             except Exception:  # a damaged or outdated cache file: repacked from the GGUF file below
@@ -260,11 +265,12 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None) -> tuple[
             target = lean_target(model, quantized=source, embedding=embedding)
         else:
             weights = GGUFWeights(gguf_file)
-            model = file_model(weights, config)
+            model = file_model(weights, config, device)
             embedding = file_embedding(model, weights)
             target = lean_target(model, quantized=file_matrices(model, weights), embedding=embedding)
-            del weights  # closes the file's mapping: only the packed products stay resident
-            save_packed(packed, model, target, embedding)
+            del weights  # closes the file's mapping: only the products' blocks stay resident
+            if not target.dequantizing:
+                save_packed(packed, model, target, embedding)
     except ValueError as error:
         raise ModelLoadError(f"{gguf_file}: {error}") from None
     try:
@@ -494,11 +500,9 @@ def load_model(
                 raise ModelLoadError(f"weights='file' runs a GGUF file's own blocks; {name_or_path} is a checkpoint "
                                      "folder: give a preset or a .gguf file, or weights='q8_0'/'q4_0'")
             resolve_checkpoint(name_or_path, cache_dir, progress)  # raises the error for what the name is
-        if torch.device(device).type != "cpu":
-            raise UnsupportedModelError(f"a GGUF file's own blocks run on the CPU kernels, not on {device}")
         if backend == "transformers":
             raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
-        target, tokenizer = _file_target(gguf_file, cache_dir)
+        target, tokenizer = _file_target(gguf_file, cache_dir, torch.device(device))
         _calibrate(target, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer

@@ -19,7 +19,9 @@ from draftwise.backend.weights.quantized import QuantizedLinear
 from draftwise.errors import ModelLoadError
 from draftwise.models import make_target
 
-pytestmark = pytest.mark.skipif(native.load_kernels(warn=False) is None, reason="the kernels cannot be built here")
+# (a condition string: evaluated when a test that needs the kernels runs, so the others never build them)
+needs_kernels = pytest.mark.skipif("native.load_kernels(warn=False) is None",
+                                   reason="the kernels cannot be built here")
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 300]
 CHAIN = [12, 7, 7, 180, 64]
@@ -32,6 +34,7 @@ def float_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+@needs_kernels
 @pytest.mark.parametrize(("shape", "type_name"), [(TINY_LLAMA, "Q4_0"), (TINY_QWEN, "Q4_K")],
                          ids=["llama-tied-q4_0", "qwen2-q4_k-q6_k-head"])
 def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch, shape, type_name):
@@ -67,6 +70,7 @@ def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch,
                                                    max_new_tokens=12, ignore_eos=True).token_ids
 
 
+@needs_kernels
 def test_a_damaged_cache_is_repacked_from_the_file(tmp_path):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q6_K")
     first, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
@@ -79,6 +83,7 @@ def test_a_damaged_cache_is_repacked_from_the_file(tmp_path):
     assert cached.stat().st_size > 1000
 
 
+@needs_kernels
 def test_a_file_that_does_not_fit_its_config_is_refused(tmp_path):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
     data = bytearray(path.read_bytes())
@@ -87,6 +92,7 @@ def test_a_file_that_does_not_fit_its_config_is_refused(tmp_path):
         draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
 
 
+@needs_kernels
 def test_file_weights_run_on_the_lean_backend_and_the_cpu(tmp_path):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
     with pytest.raises(draftwise.UnsupportedModelError, match="lean"):
@@ -116,6 +122,7 @@ print(json.dumps({"resident_mb": resident, "load_s": loaded, "tokens": output.to
 """
 
 
+@needs_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize(("shape", "type_name"), [(LLAMA2_7B, "Q4_0"), (QWEN25_7B, "Q4_K")],
                          ids=["llama2-7b-q4_0", "qwen2.5-7b-q4_k"])
@@ -137,3 +144,56 @@ def test_a_7b_file_loads_in_5_gb_and_decodes(tmp_path, shape, type_name):
     for run in runs:
         assert run["resident_mb"] <= 5 * 1024 and len(run["tokens"]) == 4
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["quantization"] == runs[1]["quantization"]
+
+
+@pytest.mark.parametrize(("shape", "type_name"), [(TINY_LLAMA, "Q4_1"), (TINY_QWEN, "Q4_K")],
+                         ids=["llama-tied-q4_1", "qwen2-q4_k-q6_k-head"])
+def test_a_file_runs_dequantized_where_the_kernels_do_not(tmp_path, device, shape, type_name):
+    """The correct path for a GGUF file's blocks off the compiled CPU kernels (CUDA devices; the fixed step shape):
+    the blocks kept on the device and dequantised per call, bitwise the forward of the float model transformers
+    de-quantises from the same file (the same float32 weights in the same products), and drafting exact."""
+    from draftwise.backend.forward.graphed import GraphedLeanTarget
+    from draftwise.backend.weights.quantized import DequantizedLinear
+
+    path = write_random_gguf(tmp_path / "model.gguf", shape, type_name)
+    if device == "cuda":
+        target, tokenizer = draftwise.load_model(str(path), weights="file", device=device, calibrate=False,
+                                                 cache_dir=tmp_path)
+        assert isinstance(target, GraphedLeanTarget) and target.graphs
+        assert not list((tmp_path / "gguf-packed").glob("*/packed.safetensors"))  # (packed for CPU kernels only)
+    else:
+        weights = gguf_file.GGUFWeights(path)
+        model = gguf_file.file_model(weights, gguf_file.file_config(path))
+        target = GraphedLeanTarget(model, span=64, quantized=gguf_file.file_matrices(model, weights),
+                                   embedding=gguf_file.file_embedding(model, weights))
+        tokenizer = None
+    assert target.dequantizing and target.device.type == device
+    assert all(isinstance(product, DequantizedLinear) for product in target.products)
+    assert target.linear_path.startswith("dequantized-") and type_name.lower() in target.quantization
+    assert target.model.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+
+    # (the library's product, as the dequantised one runs: not oneDNN's packed weights)
+    reference = GraphedLeanTarget(float_model(path).to(device), span=64, packed=False)
+    ours = prefill_and_chain_logits(target, PROMPT, CHAIN, 32)
+    for mine, theirs in zip(ours, prefill_and_chain_logits(reference, PROMPT, CHAIN, 32)):
+        assert torch.equal(mine, theirs)
+    plain = draftwise.generate(target, tokenizer, prompt_ids=PROMPT * 3, method="ar", max_new_tokens=12,
+                               ignore_eos=True)
+    drafted = draftwise.generate(target, tokenizer, prompt_ids=PROMPT * 3, method="pld", max_new_tokens=12,
+                                 ignore_eos=True)
+    assert drafted.token_ids == plain.token_ids
+
+
+def test_a_file_runs_dequantized_without_the_kernels(tmp_path):
+    """On a CPU the compiled kernels cannot run on, a file's blocks still run (dequantised per call: slower, correct),
+    bitwise the float model's library forward."""
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q5_0")
+    weights = gguf_file.GGUFWeights(path)
+    model = gguf_file.file_model(weights, gguf_file.file_config(path))
+    target = LeanTarget(model, kernel=False, packed=False, quantized=gguf_file.file_matrices(model, weights),
+                        embedding=gguf_file.file_embedding(model, weights))
+    assert target.dequantizing and target.linear_path.startswith("dequantized-q5_0")
+    reference = LeanTarget(float_model(path), kernel=False, packed=False)
+    for mine, theirs in zip(prefill_and_chain_logits(target, PROMPT, CHAIN, 32),
+                            prefill_and_chain_logits(reference, PROMPT, CHAIN, 32)):
+        assert torch.equal(mine, theirs)

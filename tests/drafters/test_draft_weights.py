@@ -15,7 +15,9 @@ from draftwise.drafters.draft_model import DraftModelDrafter
 from draftwise.errors import UnsupportedModelError
 from draftwise.models import make_target
 
-needs_kernels = pytest.mark.skipif(native.load_kernels(warn=False) is None, reason="the kernels cannot be built here")
+# (a condition string: evaluated when a test that needs the kernels runs, so the others never build them)
+needs_kernels = pytest.mark.skipif("native.load_kernels(warn=False) is None",
+                                   reason="the kernels cannot be built here")
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 300, 5, 17, 99]
 
@@ -66,3 +68,15 @@ def test_self_needs_a_target_loaded_by_name():
     target = make_target(make_tiny_model("llama").to(torch.float32), calibrate=False)
     with pytest.raises(UnsupportedModelError, match="model=self"):
         draftwise.generate(target, None, prompt_ids=[1, 2, 3], method=DraftModelDrafter(model="self"), max_new_tokens=4)
+
+
+def test_quantised_drafts_run_on_every_device(tmp_path, device):
+    """A GGUF target on the device (on CUDA its blocks dequantised per step), drafted by the same file and by the
+    target's model quantised on load: plain greedy decoding's ids."""
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q4_K")
+    target, _ = draftwise.load_model(str(path), weights="file", device=device, calibrate=False, cache_dir=tmp_path)
+    plain = _generate(target, "ar").token_ids
+    by_file = DraftModelDrafter(model=str(path), depth=4, adaptive=False, cache_dir=str(tmp_path))
+    assert _generate(target, by_file).token_ids == plain
+    assert by_file.draft.device.type == device and by_file.draft.quantization == target.quantization
+    assert _generate(target, f"draft:model=self,weights=q8_0,depth=3,cache_dir={tmp_path}").token_ids == plain

@@ -480,7 +480,7 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
                                         "name (draftwise.load_model), or name the draft model")
         weights = weights or "q4_0"
         if (weights in KINDS and isinstance(target, LeanTarget) and target.weights is None
-                and target.dtype == torch.float32 and target.device.type == "cpu"):
+                and target.dtype == torch.float32):
             # The target's own float32 tensors, quantised: no second load, no second float copy.
             draft = make_target(target.model, backend="lean", calibrate=False, weights=weights)
             draft.tokenizer, draft.source, draft.weights = target.tokenizer, target.source, weights

@@ -34,7 +34,7 @@ import torch
 
 from ..rows import CACHE, RowBlock, is_chain
 from ..target import ForwardOutput, last_rows_only
-from .lean import BLOCK, LayerSkip, LeanTarget
+from .lean import BLOCK, LayerSkip, LeanTarget, model_device
 
 #: Rows of every step: a product of 64 rows costs about what one row does on a GPU.
 STEP_ROWS = 64
@@ -101,11 +101,14 @@ class GraphedLeanTarget(LeanTarget):
         span: most positions a sequence may reach (default: the model's context length); every row's attention
             runs over this many, so a smaller span is cheaper, and a longer sequence is an error.
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
+        options: :class:`LeanTarget`'s ``packed``, and its ``quantization``, ``quantized`` and ``embedding`` for
+            block-quantised products, dequantised at each step on the device
+            (:class:`~draftwise.backend.weights.quantized.DequantizedLinear`).
     """
 
-    def __init__(self, model: Any, span: int | None = None, graphs: bool | None = None) -> None:
+    def __init__(self, model: Any, span: int | None = None, graphs: bool | None = None, **options: Any) -> None:
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
-        super().__init__(model, STEP_ROWS, STEP_ROWS, kernel=False, linear_fixed=True)
+        super().__init__(model, STEP_ROWS, STEP_ROWS, kernel=False, linear_fixed=True, **options)
         self.span = self.context_length if span is None else int(span)
         if not 0 < self.span <= self.context_length:
             raise ValueError(f"span must be 1..{self.context_length} (the model's context), not {span}")
@@ -340,7 +343,7 @@ def _tree_paths(parents: Sequence[int], depths: Sequence[int]) -> torch.Tensor:
 def lean_target(model: Any, **options: Any) -> LeanTarget:
     """The lean forward for ``model``: :class:`GraphedLeanTarget` on CUDA devices, :class:`LeanTarget` elsewhere
     (``options`` go to the chosen class)."""
-    if model.device.type == "cuda":
+    if model_device(model).type == "cuda":
         return GraphedLeanTarget(model, **options)
     return LeanTarget(model, **options)
 

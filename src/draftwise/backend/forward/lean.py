@@ -34,7 +34,8 @@ from ..rows import RowBlock, is_chain
 from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
-from ..weights.quantized import BLOCK_INPUTS, MatrixSource, QuantizedLinear, QuantizedMatrix, packed_product
+from ..weights.quantized import (BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear, QuantizedMatrix,
+                                 decode, packed_product, quantize)
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -145,6 +146,15 @@ def row_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return groups
 
 
+def model_device(model: Any) -> torch.device:
+    """Where ``model``'s forward runs: the device of its first parameter that holds values (a GGUF file's model keeps
+    its quantised matrices on ``meta``; the CPU where every parameter is there)."""
+    for parameter in model.parameters():
+        if parameter.device.type != "meta":
+            return parameter.device
+    return torch.device("cpu")
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why the lean forward cannot run ``model`` (``None`` when it can)."""
     config = model.config
@@ -235,14 +245,20 @@ class LeanTarget(Target):
         #: Whether every linear product runs at exactly ``linear_min_rows`` rows (a fixed step shape).
         self.fixed_row_plan = linear_fixed
         dtype = model.dtype
-        self._device = torch.device("cpu") if model.device.type == "meta" else model.device
+        self._device = model_device(model)
         device = self._device
         self.packed = packing_available(dtype, device) if packed is None else packed
         self.kernel = self._compiled_kernels(kernel)
 
         if quantization is not None and quantized:
             raise UnsupportedModelError("give quantization (quantise on load) or quantized (a file's blocks), not both")
-        self._check_quantization(quantization or ("file" if quantized else None), linear_fixed)
+        self._check_quantization(quantization or ("file" if quantized else None))
+        #: Whether block-quantised products are dequantised per call (:class:`DequantizedLinear`: CUDA devices, the
+        #: fixed step shape, CPUs without the compiled kernels) rather than run by the compiled CPU kernels.
+        self.dequantizing = self.kernel is None or linear_fixed
+        if self.dequantizing and isinstance(quantized, MatrixSource):
+            raise UnsupportedModelError("products packed for the compiled CPU kernels cannot run here: load the GGUF "
+                                        "file itself")
         quantized = quantized or {}
         given = {id(module.weight) for module in quantized}
         if embedding is not None:
@@ -254,26 +270,34 @@ class LeanTarget(Target):
                                         "quantised matrix for it")
 
         def make_product(weight: torch.Tensor, bias: torch.Tensor | None, modules: tuple[Any, ...]) -> Linear:
+            matrix = None
             if quantization is not None:
-                return QuantizedLinear.from_weight(weight, bias, quantization, self.kernel, linear_min_rows)
-            if modules and all(module in quantized for module in modules):
-                packed = packed_product(quantized, modules)
-                if packed.shape != tuple(weight.shape):
-                    raise UnsupportedModelError(f"a quantised matrix of shape {packed.shape} for a product of shape "
+                matrix = decode(quantize(weight, quantization), quantization)
+            elif modules and all(module in quantized for module in modules):
+                matrix = (QuantizedMatrix.stack([quantized[module] for module in modules]) if self.dequantizing
+                          else packed_product(quantized, modules))
+                if matrix.shape != tuple(weight.shape):
+                    raise UnsupportedModelError(f"a quantised matrix of shape {matrix.shape} for a product of shape "
                                                 f"{tuple(weight.shape)}")
-                return QuantizedLinear(packed, bias, self.kernel, linear_min_rows)
+            if matrix is not None:
+                if self.dequantizing:
+                    return DequantizedLinear(matrix, bias, device, linear_min_rows, linear_fixed)
+                return QuantizedLinear(matrix, bias, self.kernel, linear_min_rows)
             product = self.linear(weight, bias, linear_min_rows)
             product.fixed_rows = linear_fixed
             return product
 
         self.layers: list[LeanLayer] = [fuse_layer(layer, make_product) for layer in model.model.layers]
-        self.embedding = embedding if embedding is not None else model.model.embed_tokens.weight.detach()
+        # (a file's embedding blocks move to a device as rows dequantised there, see EmbeddingRows.to)
+        self.embedding = (embedding.to(device) if embedding is not None
+                          else model.model.embed_tokens.weight.detach())
         self.norm = model.model.norm.weight.detach()
         head = model.get_output_embeddings()
         self.head = make_product(head.weight.detach(), None if head.bias is None else head.bias.detach(), (head,))
         #: The block quantisations the products' weights are kept in (``"q4_1+q8_0"``: a file's types, lower case,
         #: in the order the forward meets them), ``None`` for float weights.
-        types = [kind for product in self.products if isinstance(product, QuantizedLinear) for kind in product.types]
+        types = [kind for product in self.products if isinstance(product, (QuantizedLinear, DequantizedLinear))
+                 for kind in product.types]
         self.quantization = "+".join(dict.fromkeys(types)).lower() or None
         #: Whether the products' weights are in transparent huge pages.
         self.huge_pages = huge_pages and place_in_huge_pages(list(self.products), device)
@@ -291,16 +315,13 @@ class LeanTarget(Target):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.compiled_layers = self._compiled_layers()
 
-    def _check_quantization(self, quantization: str | None, linear_fixed: bool) -> None:
-        """A clear error where this forward cannot keep its products' weights in ``quantization`` (they need the
-        compiled kernels and float32 rows)."""
+    def _check_quantization(self, quantization: str | None) -> None:
+        """A clear error where this forward cannot keep its products' weights in ``quantization`` (they need
+        float32 rows and input widths in whole groups of 32)."""
         if quantization is None:
             return
         if quantization != "file" and quantization not in QUANTIZATIONS:
             raise UnsupportedModelError(f"unknown weights {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
-        if self.kernel is None or linear_fixed:
-            raise UnsupportedModelError(f"{quantization} weights run on the compiled CPU kernels, which this forward "
-                                        "does not use here")
         if self.model.dtype != torch.float32:
             raise UnsupportedModelError(f"{quantization} weights run with float32 activations: load the model in "
                                         f"float32, not {self.model.dtype}")
@@ -359,7 +380,7 @@ class LeanTarget(Target):
         products over block-quantised weights, see :attr:`quantization`), ``"onednn"`` (packed weights) or
         ``"library"`` (``F.linear``) for the linear products."""
         if self.quantization is not None:
-            return f"kernel-{self.quantization}"
+            return f"{'dequantized' if self.dequantizing else 'kernel'}-{self.quantization}"
         return "kernel" if self.head.blocked is not None else "onednn" if self.head.packed else "library"
 
     def _compiled_layers(self) -> Any | None:

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from .fusing import product_modules
-from .quantized import FILE_TYPES, LAYOUT_VERSION, MatrixSource, PackedMatrix, QuantizedLinear, QuantizedMatrix, decode
+from .quantized import (FILE_TYPES, LAYOUT_VERSION, DequantizedRows, MatrixSource, PackedMatrix, QuantizedLinear,
+                        QuantizedMatrix, decode)
 
 #: A decoder layer's GGUF tensor names and the transformers projections they hold.
 _PROJECTIONS = {
@@ -137,12 +138,13 @@ def file_config(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path} is not a readable GGUF model: {error}") from error
 
 
-def file_model(source: str | os.PathLike | GGUFWeights, config: Any) -> Any:
+def file_model(source: str | os.PathLike | GGUFWeights, config: Any, device: torch.device | str = "cpu") -> Any:
     """The transformers model of a GGUF file with only its float tensors loaded: built on the ``meta`` device from
     ``config`` (:func:`file_config`), then norms, biases and any matrix in a type without a quantised product here
     set from the file in float32 (gguf's de-quantisation, the values transformers' loader gives). The block-quantised
     matrices stay on ``meta``: :func:`file_matrices` and :func:`file_embedding` give the forward their blocks. The
-    model cannot run its own forward; it carries the config, generation config and module structure.
+    model cannot run its own forward; it carries the config, generation config and module structure. Its float
+    tensors are put on ``device``.
 
     Raises:
         ValueError: the file does not fit the config.
@@ -163,7 +165,8 @@ def file_model(source: str | os.PathLike | GGUFWeights, config: Any) -> Any:
             if current is None or values.size != current.numel():
                 raise ValueError(f"{tensor.name} has {values.size} values; the model's {type(module).__name__} "
                                  f"{attribute} {None if current is None else tuple(current.shape)}")
-            yield module, attribute, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(current.shape)
+            yield (module, attribute,
+                   torch.from_numpy(np.array(values, dtype=np.float32)).reshape(current.shape).to(device))
 
     return _with_floats(model, floats())
 
@@ -262,6 +265,14 @@ class EmbeddingRows:
     @property
     def shape(self) -> tuple[int, int]:
         return self.blocks.shape[0], self.width
+
+    def to(self, device: torch.device | str) -> EmbeddingRows | DequantizedRows:
+        """These rows for a forward on ``device``: themselves on the CPU; elsewhere the blocks decoded onto the
+        device once (:class:`~draftwise.backend.weights.quantized.DequantizedRows`), looked up without the host."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        return DequantizedRows(decode(self.blocks, self.type_name), device)
 
     def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.reshape(-1).cpu().numpy()

@@ -88,18 +88,24 @@ class Linear:
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         rows = inputs.shape[0]
+        product = self._bound_product()
         if self.fixed_rows and rows > self.min_rows:
             chunk = self.min_rows
             padded = -(-rows // chunk) * chunk
             if padded > rows:
                 inputs = torch.cat([inputs, inputs.new_zeros(padded - rows, self.in_features)])
-            output = torch.cat([self._product(part) for part in inputs.split(chunk)])
+            output = torch.cat([product(part) for part in inputs.split(chunk)])
             return output[:rows]
         padded = self.padded_rows(rows)
         if padded > rows:
             inputs = torch.cat([inputs, inputs.new_zeros(padded - rows, self.in_features)])
-        output = self._product(inputs)
+        output = product(inputs)
         return output[:rows] if padded > rows else output
+
+    def _bound_product(self) -> Any:
+        """The product of one call's rows (called once per piece of a fixed-row call): where the weights must be
+        prepared per call (dequantised), they are prepared here once for all pieces."""
+        return self._product
 
     def padded_rows(self, rows: int) -> int:
         """The row count a product of ``rows`` rows runs at: at least :attr:`min_rows`; for oneDNN's packed

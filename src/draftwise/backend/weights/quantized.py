@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .products import Linear
 
@@ -430,3 +431,93 @@ class QuantizedLinear(Linear):
         if inputs.stride(-1) != 1:
             inputs = inputs.contiguous()
         return self.kernels.quantized_linear(inputs, self.weight, self.format, self.bias, self.out_features)
+
+
+def _dequantized(quants: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Float32 weights ``(..., in)`` of quants ``(..., in)`` int8, scales ``(..., in / 32, 2)`` and offsets ``(..., in
+    / 32)``: the arithmetic of :meth:`QuantizedMatrix.dequantize` (an exact product, then one rounding adding the
+    offset), so bitwise its values on any device."""
+    *rows, inputs = quants.shape
+    values = quants.reshape(*rows, inputs // 16, 16).float() * scales.reshape(*rows, inputs // 16, 1)
+    if offsets is not None:
+        values = values.reshape(*rows, inputs // BLOCK_INPUTS, BLOCK_INPUTS) + offsets.unsqueeze(-1)
+    return values.reshape(*rows, inputs)
+
+
+class DequantizedLinear(Linear):
+    """``y = x @ W.T + bias`` over float32 rows, ``W`` kept block-quantised on its device (int8 quants, float32
+    scales and offsets: about 1.3 bytes a weight) and dequantised to float32 once per call: the correct path where the
+    compiled CPU kernels do not run (CUDA devices, CPUs they cannot be built on). The float32 weights are exactly the
+    quantised model's (:meth:`QuantizedMatrix.dequantize`), and the product is the device library's, padded as
+    :class:`~draftwise.backend.weights.products.Linear`'s: row invariance comes from its ``min_rows`` and
+    ``fixed_rows``, as for float weights.
+
+    Args:
+        matrix: the weights in the common form (:func:`decode`).
+        bias: ``(out_features,)`` or ``None`` (kept in float32).
+        device: where the quants and the products live.
+        min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
+    """
+
+    def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, device: torch.device | str,
+                 min_rows: int = 1, fixed_rows: bool = False) -> None:
+        self.out_features, self.in_features = matrix.shape
+        if self.in_features % BLOCK_INPUTS:
+            raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {self.in_features}")
+        self.quants = torch.from_numpy(matrix.quants).to(device)
+        self.scales = torch.from_numpy(matrix.scales).to(device)
+        self.offsets = None if matrix.offsets is None else torch.from_numpy(matrix.offsets).to(device)
+        self.types = matrix.types
+        self.blocked = None
+        self.packed = False
+        self.weight = self.quants  # (what the products' memory is counted by)
+        self.bias = None if bias is None else bias.detach().float().to(device).contiguous()
+        self.min_rows = min_rows
+        self.fixed_rows = fixed_rows
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, min_rows: int = 1,
+                    fixed_rows: bool = False) -> DequantizedLinear:
+        """``weight`` ``(out, in)`` quantised to ``kind`` (:func:`quantize`), kept on ``weight``'s device."""
+        return cls(decode(quantize(weight, kind), kind), bias, weight.device, min_rows, fixed_rows)
+
+    @property
+    def quantization(self) -> str:
+        return "+".join(kind.lower() for kind in self.types)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights ``(out, in)``."""
+        return _dequantized(self.quants, self.scales, self.offsets)
+
+    def _bound_product(self) -> Any:
+        weight = self.dequantize()  # once per call, whatever the number of fixed-row pieces
+
+        def product(inputs: torch.Tensor) -> torch.Tensor:
+            if inputs.dtype != torch.float32:
+                raise TypeError(f"quantised products take float32 rows, not {inputs.dtype}")
+            return F.linear(inputs, weight, self.bias)
+
+        return product
+
+
+class DequantizedRows:
+    """A block-quantised token embedding on a device (int8 quants, float32 scales and offsets), the rows a forward
+    looks up dequantised there: by device operations alone, so a captured CUDA graph can hold the lookup."""
+
+    def __init__(self, matrix: QuantizedMatrix, device: torch.device | str) -> None:
+        self.quants = torch.from_numpy(matrix.quants).to(device)
+        self.scales = torch.from_numpy(matrix.scales).to(device)
+        self.offsets = None if matrix.offsets is None else torch.from_numpy(matrix.offsets).to(device)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.quants.shape)
+
+    def to(self, device: torch.device | str) -> DequantizedRows:
+        if torch.device(device) != self.quants.device:
+            raise ValueError("dequantised embedding rows stay on the device they were made for")
+        return self
+
+    def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _dequantized(self.quants[tokens], self.scales[tokens],
+                            None if self.offsets is None else self.offsets[tokens])

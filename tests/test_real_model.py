@@ -26,9 +26,16 @@ SPEC_BENCH_TOKENS = 96 if FAST_MACHINE else 48
 
 @pytest.fixture(scope="module")
 def smollm():
-    """The default preset as users load it (dtype "auto")."""
+    """The default preset as users load it (dtype "auto": the GGUF file's own blocks where the kernels run)."""
     torch.set_num_threads(2)
     return draftwise.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def smollm_float():
+    """The default preset in float weights (whose transformers model the references run)."""
+    torch.set_num_threads(2)
+    return draftwise.load_model("smollm2-135m", weights="float")
 
 
 @pytest.fixture(scope="module", params=DTYPES)
@@ -135,12 +142,12 @@ def test_verification_rows_are_bitwise_plain_decoding(smollm_in):
     assert report.exact, report.mismatches[:3]
 
 
-def test_sampling_distributions_on_real_logits(smollm):
+def test_sampling_distributions_on_real_logits(smollm_float):
     """The sampling distributions of real logits (every position of a real prompt) as transformers' warpers give
     them: the same kept set, probabilities within float tolerance."""
     from draftwise.decoding.sampling import SamplingParams, target_probabilities, transform_logits
 
-    target, tokenizer = smollm
+    target, tokenizer = smollm_float
     ids = tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids
     with torch.inference_mode():
         logits = target.model(ids).logits[0].float()

@@ -32,8 +32,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--weights", default=None, choices=list(WEIGHTS),
                         help="file: run a GGUF model's block-quantised matrices as shipped; q8_0/q4_0: quantise the "
-                        "linear products' weights on load (lean forward, float32, CPU kernels; default: the dtype's "
-                        "float weights)")
+                        "linear products' weights on load (lean forward, float32); float: the dtype's float weights "
+                        "(default: file for a preset or .gguf file on a CPU the kernels build on, unless --dtype is "
+                        "given; float otherwise)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
 
@@ -77,7 +78,8 @@ def _load(args: argparse.Namespace):
         args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend,
         weights=args.weights,
     )
-    weights = f", {target.quantization} weights" if getattr(target, "quantization", None) else ""
+    quantization = getattr(target, "quantization", None)
+    weights = f", {quantization} weights" if quantization else ", float weights"
     print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')}{weights} on {target.device} "
           f"({target.backend} forward)", file=sys.stderr)
     return target, tokenizer

@@ -72,7 +72,8 @@ def diagnose(
     )
     for name in dict.fromkeys(str(resolve_dtype(dtype, device)).removeprefix("torch.") for dtype in dtypes):
         target, _ = load_model(
-            name_or_path, dtype=name, device=device, cache_dir=cache_dir, backend=backend, calibrate=False
+            name_or_path, dtype=name, device=device, cache_dir=cache_dir, backend=backend, calibrate=False,
+            weights="float",
         )
         with tempfile.TemporaryDirectory() as scratch:
             store = MeasurementStore(Path(scratch))

@@ -30,7 +30,7 @@ from .backend.forward.graphed import lean_target
 from .backend.forward.lean import LeanTarget, unsupported_reason
 from .backend.target import Target, TransformersTarget
 from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
-from .errors import ModelLoadError, ModelNotInstalledError, UnsupportedModelError
+from .errors import DraftwiseError, ModelLoadError, ModelNotInstalledError, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 24
@@ -273,6 +273,10 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
                 save_packed(packed, model, target, embedding)
     except ValueError as error:
         raise ModelLoadError(f"{gguf_file}: {error}") from None
+    except DraftwiseError:
+        raise
+    except Exception as error:  # the gguf package raises many kinds on a damaged file
+        raise ModelLoadError(f"{gguf_file} is not a readable GGUF model: {type(error).__name__}: {error}") from error
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception:
@@ -355,9 +359,23 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | os.PathLike | None = 
 
 #: Forwards ``load_model(backend=...)`` can run a model with.
 BACKENDS = ("auto", "lean", "transformers")
-#: Block quantisations ``load_model(weights=...)`` can keep a model's products in: ``"file"`` a GGUF file's own (as
-#: shipped), ``"q8_0"``/``"q4_0"`` quantised on load.
-WEIGHTS = ("file", "q8_0", "q4_0")
+#: What ``load_model(weights=...)`` can run a model's products with: ``"file"`` a GGUF file's own block
+#: quantisations (as shipped), ``"q8_0"``/``"q4_0"`` quantised on load, ``"float"`` the float weights in the dtype.
+WEIGHTS = ("file", "q8_0", "q4_0", "float")
+
+
+def default_weights(name_or_path: str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
+                    backend: str = "auto") -> str:
+    """The weights :func:`load_model` runs ``name_or_path`` with when given none: a GGUF file's (or a preset's) own
+    blocks, as shipped, where they run on the compiled CPU kernels (the CPU, the lean backend) and no dtype is asked
+    for (``dtype="auto"``: they take float32 activations); ``"float"`` otherwise (a checkpoint folder, a float dtype
+    asked for, a GPU, where the blocks would be dequantised at every step, or a CPU the kernels cannot be built
+    on)."""
+    is_gguf = name_or_path in PRESETS or Path(name_or_path).expanduser().suffix.lower() == ".gguf"
+    if (not is_gguf or backend == "transformers" or torch.device(device).type != "cpu"
+            or dtype != "auto" or native.load_kernels(warn=False) is None):
+        return "float"
+    return "file"
 
 
 def make_target(
@@ -384,13 +402,14 @@ def make_target(
         weights: ``"q8_0"`` or ``"q4_0"`` to quantise every linear product's weights on load and run them so (the
             lean forward of a float32 model on the CPU kernels; :mod:`draftwise.backend.weights.quantized`),
             ``"file"`` to run the block-quantised matrices of ``gguf_file`` (the file ``model`` was loaded from) as
-            they are; ``None`` keeps the model's float weights.
+            they are; ``None`` or ``"float"`` keeps the model's float weights.
         gguf_file: the GGUF file for ``weights="file"``.
     """
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
+    weights = None if weights == "float" else weights
     reason = unsupported_reason(model)
     if (backend == "lean" or weights is not None) and reason is not None:
         raise UnsupportedModelError(f"the lean backend cannot run this model: {reason}; use backend='transformers'")
@@ -472,7 +491,10 @@ def load_model(
         progress: print a line when a one-time conversion runs.
         weights: ``"file"``: run a GGUF file's (or preset's) block-quantised matrices as shipped; ``"q8_0"`` or
             ``"q4_0"``: quantise the linear products' weights on load (see :func:`make_target`; both need float32,
-            which ``dtype="auto"`` then picks).
+            which ``dtype="auto"`` then picks); ``"float"``: the float weights in ``dtype``. ``None`` (the default):
+            ``"file"`` for a GGUF file or preset on a CPU the compiled kernels run on, unless a dtype is asked for;
+            ``"float"`` otherwise (:func:`default_weights`). ``target.weights`` says which
+            (``None`` for float weights).
 
     Returns:
         ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
@@ -483,14 +505,17 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if weights is None:
+        weights = default_weights(name_or_path, dtype, device, backend)
+    if weights is not None and weights not in WEIGHTS:
+        raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
+    weights = None if weights == "float" else weights
     if weights is not None and dtype == "auto":
         dtype = torch.float32  # (quantised products take float32 activations)
     try:
         dtype = resolve_dtype(dtype, device)
     except ValueError as error:
         raise ModelLoadError(str(error)) from None
-    if weights is not None and weights not in WEIGHTS:
-        raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     if weights == "file":

@@ -182,6 +182,23 @@ def transformers_model(model: Any) -> Any:
     return model.model if isinstance(model, Target) else model
 
 
+def float_reference(model: Any) -> Any:
+    """The transformers model the ``hf`` rows run: ``model``'s own, or, where ``model`` runs a GGUF file's blocks
+    and holds no float weights, the float model loaded from its source (in the dtype ``"auto"`` picks)."""
+    inner = transformers_model(model)
+    if not any(parameter.device.type == "meta" for parameter in inner.parameters()):
+        return inner
+    source = getattr(model, "source", None)
+    if source is None:
+        raise InvalidRequestError("the hf rows run transformers' float model, which this target does not hold: load "
+                                  "it by name (draftwise.load_model)")
+    from ..models import load_model
+
+    reference, _ = load_model(source, device=model.device, backend="transformers", fast_linear=False,
+                              calibrate=False, weights="float")
+    return reference.model
+
+
 def measure_hf(
     model: Any,
     prompt_ids: Sequence[int],
@@ -298,6 +315,8 @@ class RowTimer:
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
         self.draft_model = draft_model
+        #: The transformers model of the ``hf`` rows (:func:`float_reference`), loaded by :meth:`check_rows`.
+        self.reference: Any = None
         self.anchors = anchors or {}
         self.eos = eos_token_ids(model, tokenizer)
         self.latency = LatencyModel.of(as_target(model))
@@ -311,6 +330,8 @@ class RowTimer:
         unready = [row.label for row in rows if row.method in ANCHOR_ROWS and row.method not in self.anchors]
         if unready:
             raise InvalidRequestError(f"rows {', '.join(unready)} need llama.cpp runners (see Benchmark.prepare)")
+        if self.reference is None and any(row.method in HF_ROWS for row in rows):
+            self.reference = float_reference(self.model)
 
     def measure(
         self, row: Row, drafter: Drafter | None, prompt_ids: Sequence[int], max_new_tokens: int
@@ -322,7 +343,7 @@ class RowTimer:
             measured = self.anchors[row.method].measure(prompt_ids, max_new_tokens, self.eos, self.sampling)
         elif row.is_external:
             measured = measure_hf(
-                transformers_model(self.model), prompt_ids, max_new_tokens, self.eos, row.method, self.sampling,
+                self.reference if self.reference is not None else transformers_model(self.model), prompt_ids, max_new_tokens, self.eos, row.method, self.sampling,
                 transformers_model(self.draft_model),
             )
         else:
@@ -602,7 +623,7 @@ class Benchmark:
         anchors = {}
         wanted = [method for method in settings.methods if method in ANCHOR_ROWS]
         if wanted:
-            if settings.weights == "file":  # the very file the target runs, as shipped
+            if getattr(model, "weights", None) == "file":  # the very file the target runs, as shipped
                 gguf = source_gguf(settings.model)
             else:  # the file's matrices at the width the target reads them
                 gguf = anchor_gguf(settings.model, model.dtype, settings.cache_dir)

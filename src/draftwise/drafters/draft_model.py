@@ -486,8 +486,8 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
             draft.tokenizer, draft.source, draft.weights = target.tokenizer, target.source, weights
             return draft
         name = target.source
-    kind = target.weights if weights is None else None if weights == "float" else weights
-    dtype = target.dtype if kind is None else "auto"
+    kind = (target.weights or "float") if weights is None else weights
+    dtype = target.dtype if kind == "float" else "auto"
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
                                   calibrate=False, progress=True, weights=kind)
     if kind in KINDS:

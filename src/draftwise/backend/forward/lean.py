@@ -35,7 +35,7 @@ from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
 from ..weights.quantized import (BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear, QuantizedMatrix,
-                                 decode, packed_product, quantize)
+                                 decode, packed_product, quantization_name, quantize)
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -298,7 +298,7 @@ class LeanTarget(Target):
         #: in the order the forward meets them), ``None`` for float weights.
         types = [kind for product in self.products if isinstance(product, (QuantizedLinear, DequantizedLinear))
                  for kind in product.types]
-        self.quantization = "+".join(dict.fromkeys(types)).lower() or None
+        self.quantization = quantization_name(list(dict.fromkeys(types))) or None
         #: Whether the products' weights are in transparent huge pages.
         self.huge_pages = huge_pages and place_in_huge_pages(list(self.products), device)
         inverse = 1.0 / (

@@ -388,13 +388,18 @@ def packed_product(source: Any, modules: tuple[Any, ...]) -> PackedMatrix:
     return PackedMatrix.of(QuantizedMatrix.stack([source[module] for module in modules]))
 
 
+def quantization_name(types: tuple[str, ...] | list[str]) -> str:
+    """How a product's block types are named to users, e.g. ``q4_k+q6_k``."""
+    return "+".join(kind.lower() for kind in types)
+
+
 class QuantizedLinear(Linear):
     """``y = x @ W.T + bias`` over float32 rows, ``W`` kept block-quantised and repacked once (see the module notes):
     a :class:`~draftwise.backend.weights.products.Linear` whose rows need no padding (``min_rows`` 1 gives every row
     its bits alone).
 
     Args:
-        matrix: the weights (:func:`decode` of a GGUF file's blocks, or :meth:`from_weight`), or them packed.
+        matrix: the weights (:func:`decode` of a GGUF file's blocks or of :func:`quantize`'s), or them packed.
         bias: ``(out_features,)`` or ``None`` (kept in float32).
         kernels: the compiled kernels' module (:func:`draftwise.backend.native.load_kernels`).
         min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
@@ -415,15 +420,9 @@ class QuantizedLinear(Linear):
         self.min_rows = min_rows
         self.fixed_rows = fixed_rows
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, kernels: Any,
-                    min_rows: int = 1) -> QuantizedLinear:
-        """``weight`` ``(out, in)`` quantised to ``kind`` (:func:`quantize`)."""
-        return cls(decode(quantize(weight, kind), kind), bias, kernels, min_rows)
-
     @property
     def quantization(self) -> str:
-        return "+".join(kind.lower() for kind in self.types)
+        return quantization_name(self.types)
 
     def _product(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.dtype != torch.float32:
@@ -464,30 +463,22 @@ class DequantizedLinear(Linear):
         self.out_features, self.in_features = matrix.shape
         if self.in_features % BLOCK_INPUTS:
             raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {self.in_features}")
-        self.quants = torch.from_numpy(matrix.quants).to(device)
-        self.scales = torch.from_numpy(matrix.scales).to(device)
-        self.offsets = None if matrix.offsets is None else torch.from_numpy(matrix.offsets).to(device)
+        self.rows = DequantizedRows(matrix, device)
         self.types = matrix.types
         self.blocked = None
         self.packed = False
-        self.weight = self.quants  # (what the products' memory is counted by)
+        self.weight = self.rows.quants  # (what the products' memory is counted by)
         self.bias = None if bias is None else bias.detach().float().to(device).contiguous()
         self.min_rows = min_rows
         self.fixed_rows = fixed_rows
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, min_rows: int = 1,
-                    fixed_rows: bool = False) -> DequantizedLinear:
-        """``weight`` ``(out, in)`` quantised to ``kind`` (:func:`quantize`), kept on ``weight``'s device."""
-        return cls(decode(quantize(weight, kind), kind), bias, weight.device, min_rows, fixed_rows)
-
     @property
     def quantization(self) -> str:
-        return "+".join(kind.lower() for kind in self.types)
+        return quantization_name(self.types)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights ``(out, in)``."""
-        return _dequantized(self.quants, self.scales, self.offsets)
+        return self.rows.all()
 
     def _bound_product(self) -> Any:
         weight = self.dequantize()  # once per call, whatever the number of fixed-row pieces
@@ -521,3 +512,7 @@ class DequantizedRows:
     def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
         return _dequantized(self.quants[tokens], self.scales[tokens],
                             None if self.offsets is None else self.offsets[tokens])
+
+    def all(self) -> torch.Tensor:
+        """Every row, float32 ``(rows, in)``."""
+        return _dequantized(self.quants, self.scales, self.offsets)

@@ -13,7 +13,9 @@
 //   the bias last.
 //
 // Every operation is one float32 rounding in one fixed order per row, whatever the other rows of the call, the
-// thread count or the vector width: a row of a verification forward is bitwise its one-row product.
+// thread count or the vector width: a row of a verification forward is bitwise its one-row product. Calls of many
+// rows on CPUs without a dot-product instruction get the same integer sums another way (quants widened to int16 once
+// per tile, see WideTile): the same integers, so the same bits.
 //
 // Packed layout, once at load: (tiles, groups, bytes) for tiles of 8 outputs and groups of 32 inputs: the 8 outputs'
 // scales as float32 (a second row of 8 for inputs 16-31 with kHalves), their offsets (with kOffsets), then the quants
@@ -51,6 +53,7 @@ constexpr int64_t kTile = 8;    // outputs per tile
 constexpr int64_t kGroup = 32;  // inputs per quantisation block
 constexpr int64_t kHalf = kGroup / 2;
 constexpr int kRowsPerPass = 4;
+constexpr int kWideRowsPerPass = 2;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
 
 enum Format : int64_t {
@@ -106,10 +109,11 @@ struct QuantizedRows {
     std::vector<float> scales;         // (rows, groups): d / 256
     std::vector<float> scaled_sums;    // (rows, groups): (d / 256) * sum of a
     std::vector<int32_t> half_sums;    // (rows, groups, 2): sums of a over inputs 0-15 and 16-31
+    std::vector<int16_t> wide;         // (rows, groups * 32): a = 256 q + r, when asked for (else empty)
 
-    QuantizedRows(const float* x, int64_t x_stride, int64_t rows, int64_t groups_)
+    QuantizedRows(const float* x, int64_t x_stride, int64_t rows, int64_t groups_, bool with_wide = false)
         : groups(groups_), quants(rows * groups_ * kGroup), residuals(rows * groups_ * kGroup), scales(rows * groups_),
-          scaled_sums(rows * groups_), half_sums(rows * groups_ * 2) {
+          scaled_sums(rows * groups_), half_sums(rows * groups_ * 2), wide(with_wide ? rows * groups_ * kGroup : 0) {
         // Rows apart on the threads once there are enough of them (a prompt's), each row's steps the same.
         const int64_t grain = std::max<int64_t>(1, kParallelValues / std::max<int64_t>(1, groups * kGroup));
         at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -134,6 +138,8 @@ struct QuantizedRows {
                 residual[i] = clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) * (inverse * 256.0f)));
                 sums[i / kHalf] += 256 * q[i] + residual[i];
             }
+            if (!wide.empty())
+                for (int64_t i = 0; i < kGroup; ++i) wide[at * kGroup + i] = static_cast<int16_t>(256 * q[i] + residual[i]);
             scales[at] = d / 256.0f;
             scaled_sums[at] = scales[at] * static_cast<float>(sums[0] + sums[1]);
             half_sums[2 * at] = sums[0];
@@ -223,22 +229,22 @@ inline __m256 eight_halves(const uint8_t* source) {
 #endif
 }
 
-template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, int Rows>
-void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
-               int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    constexpr bool Factored = Scales == kFactoredScales;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i low_nibbles = _mm256_set1_epi8(15);
-    const int centre = centre_of(format);
-    const int64_t bytes = group_bytes(format);
-    constexpr int64_t kScaleWidth = Factored ? 1 : Scales == kHalfScales ? 2 : sizeof(float);
-    __m256 sums[Rows];
-    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
+// Reads a tile's groups one after the other: each group's float32 factors of the tile's 8 outputs (scale, the
+// second half's scale with kHalves, offset with kOffsets; zero where absent) and where its quants start.
+template <bool Offsets, bool Halves, int Scales>
+struct GroupReader {
+    static constexpr bool kFactoredLayout = Scales == kFactoredScales;
+    static constexpr int64_t kScaleWidth = kFactoredLayout ? 1 : Scales == kHalfScales ? 2 : sizeof(float);
+    const uint8_t* source;
+    int64_t format, bytes;
     __m256 super_scale = _mm256_setzero_ps(), super_offset = _mm256_setzero_ps();
-    const uint8_t* source = tile;
-    for (int64_t g = 0; g < groups; ++g) {
-        __m256 scale, scale_high = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
-        if (Factored) {
+    __m256 scale = _mm256_setzero_ps(), scale_high = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+
+    GroupReader(const uint8_t* tile, int64_t format_) : source(tile), format(format_), bytes(group_bytes(format_)) {}
+
+    // Group g's factors (groups are read in order); returns its packed quants.
+    const uint8_t* next(int64_t g) {
+        if (kFactoredLayout) {
             if (g % kSuperGroups == 0) {  // a super-block's header, then its groups
                 const float* header = reinterpret_cast<const float*>(source);
                 super_scale = _mm256_loadu_ps(header);
@@ -260,26 +266,73 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
         }
         const uint8_t* packed = group_quants(source, format);
         source += bytes;
-        __m256i weights[8];
-        if (Nibbles || SixBits) {
-            for (int k = 0; k < 4; ++k) {
-                const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * k));
-                weights[k] = _mm256_and_si256(both, low_nibbles);
-                weights[k + 4] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low_nibbles);
-            }
-            if (SixBits) {  // each quad's top two bits, moved to bits 4-5 of its bytes
-                const __m256i top_bits = _mm256_set1_epi8(0x30);
-                for (int m = 0; m < 2; ++m) {
-                    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 128 + 32 * m));
-                    weights[4 * m] = _mm256_or_si256(weights[4 * m], _mm256_and_si256(_mm256_slli_epi16(plane, 4), top_bits));
-                    weights[4 * m + 1] = _mm256_or_si256(weights[4 * m + 1], _mm256_and_si256(_mm256_slli_epi16(plane, 2), top_bits));
-                    weights[4 * m + 2] = _mm256_or_si256(weights[4 * m + 2], _mm256_and_si256(plane, top_bits));
-                    weights[4 * m + 3] = _mm256_or_si256(weights[4 * m + 3], _mm256_and_si256(_mm256_srli_epi16(plane, 2), top_bits));
-                }
-            }
-        } else {
-            for (int k = 0; k < 8; ++k) weights[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * k));
+        return packed;
+    }
+};
+
+// A group's quants as eight vectors of bytes, vector k holding inputs 4k..4k+3 of output j at bytes 4j..4j+3
+// (unsigned, centre included; signed bytes for kSigned).
+template <bool Nibbles, bool SixBits>
+inline void unpack_quants(const uint8_t* packed, __m256i* weights) {
+    if (Nibbles || SixBits) {
+        const __m256i low_nibbles = _mm256_set1_epi8(15);
+        for (int k = 0; k < 4; ++k) {
+            const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * k));
+            weights[k] = _mm256_and_si256(both, low_nibbles);
+            weights[k + 4] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low_nibbles);
         }
+        if (SixBits) {  // each quad's top two bits, moved to bits 4-5 of its bytes
+            const __m256i top_bits = _mm256_set1_epi8(0x30);
+            for (int m = 0; m < 2; ++m) {
+                const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 128 + 32 * m));
+                weights[4 * m] = _mm256_or_si256(weights[4 * m], _mm256_and_si256(_mm256_slli_epi16(plane, 4), top_bits));
+                weights[4 * m + 1] = _mm256_or_si256(weights[4 * m + 1], _mm256_and_si256(_mm256_slli_epi16(plane, 2), top_bits));
+                weights[4 * m + 2] = _mm256_or_si256(weights[4 * m + 2], _mm256_and_si256(plane, top_bits));
+                weights[4 * m + 3] = _mm256_or_si256(weights[4 * m + 3], _mm256_and_si256(_mm256_srli_epi16(plane, 2), top_bits));
+            }
+        }
+    } else {
+        for (int k = 0; k < 8; ++k) weights[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * k));
+    }
+}
+
+// A group's value for one row from its integer sums over inputs 0-15 and 16-31 (the notes' float32 steps), added to
+// the row's sum.
+template <bool Offsets, bool Halves, int Scales>
+inline __m256 add_group_value(__m256 sum, const GroupReader<Offsets, Halves, Scales>& group, __m256i low_half,
+                              __m256i high_half, const QuantizedRows& a, int64_t at) {
+    __m256 value;
+    if (Halves)
+        value = _mm256_add_ps(_mm256_mul_ps(group.scale, _mm256_cvtepi32_ps(low_half)),
+                              _mm256_mul_ps(group.scale_high, _mm256_cvtepi32_ps(high_half)));
+    else
+        value = _mm256_mul_ps(group.scale, _mm256_cvtepi32_ps(_mm256_add_epi32(low_half, high_half)));
+    value = _mm256_mul_ps(value, _mm256_set1_ps(a.scales[at]));
+    if (Offsets) value = _mm256_add_ps(value, _mm256_mul_ps(group.offset, _mm256_set1_ps(a.scaled_sums[at])));
+    return _mm256_add_ps(sum, value);
+}
+
+// The rows' sums (plus the bias) into their outputs' first ``valid`` columns.
+template <int Rows>
+inline void store_rows(const __m256* sums, int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    const __m256i mask = lane_mask(valid);
+    const __m256 added = bias != nullptr ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
+    for (int r = 0; r < Rows; ++r)
+        _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
+}
+
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, int Rows>
+void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
+               int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int centre = centre_of(format);
+    __m256 sums[Rows];
+    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
+    GroupReader<Offsets, Halves, Scales> group(tile, format);
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* packed = group.next(g);
+        __m256i weights[8];
+        unpack_quants<Nibbles, SixBits>(packed, weights);
         __m256i magnitudes[8];
         if (Signed)
             for (int k = 0; k < 8; ++k) magnitudes[k] = _mm256_abs_epi8(weights[k]);
@@ -315,27 +368,92 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
                     total = _mm256_sub_epi32(total, _mm256_set1_epi32(centre * a.half_sums[2 * at + h]));
                 halves[h] = total;
             }
-            __m256 value;
-            if (Halves)
-                value = _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(halves[0])),
-                                      _mm256_mul_ps(scale_high, _mm256_cvtepi32_ps(halves[1])));
-            else
-                value = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(halves[0], halves[1])));
-            value = _mm256_mul_ps(value, _mm256_set1_ps(a.scales[at]));
-            if (Offsets) value = _mm256_add_ps(value, _mm256_mul_ps(offset, _mm256_set1_ps(a.scaled_sums[at])));
-            sums[r] = _mm256_add_ps(sums[r], value);
+            sums[r] = add_group_value(sums[r], group, halves[0], halves[1], a, at);
         }
     }
-    const __m256i mask = lane_mask(valid);
-    const __m256 added = bias != nullptr ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
-    for (int r = 0; r < Rows; ++r)
-        _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
+    store_rows<Rows>(sums, first, bias, y, y_stride, valid);
+}
+
+// Many rows without a dot-product instruction: the tile's quants widened once to int16 with the centre taken off
+// (w - centre, exact), and each row's activations a = 256 q + r as int16, so one multiply-add (vpmaddwd) takes two
+// inputs of four outputs for a row: half the multiplies of the two byte products per input of tile_rows and no sign
+// fix-up for signed quants. The integer sums are the same integers, the float32 steps the same: bitwise tile_rows.
+struct WideTile {
+    std::vector<__m256i> weights;  // (groups, 8 quads, outputs 0-3 | 4-7): int16, inputs 4k..4k+3 of each output
+};
+
+template <bool Nibbles, bool SixBits, bool Signed>
+void widen_tile(const uint8_t* tile, int64_t groups, int64_t format, WideTile& wide) {
+    wide.weights.resize(groups * 16);
+    const __m256i centre = _mm256_set1_epi16(static_cast<int16_t>(centre_of(format)));
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256i weights[8];
+        unpack_quants<Nibbles, SixBits>(group_quants(group_start(tile, g, format), format), weights);
+        for (int k = 0; k < 8; ++k) {
+            const __m128i first = _mm256_castsi256_si128(weights[k]), second = _mm256_extracti128_si256(weights[k], 1);
+            __m256i* out = wide.weights.data() + g * 16 + 2 * k;
+            if (Signed) {
+                out[0] = _mm256_cvtepi8_epi16(first);
+                out[1] = _mm256_cvtepi8_epi16(second);
+            } else {
+                out[0] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(first), centre);
+                out[1] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(second), centre);
+            }
+        }
+    }
+}
+
+// Rows from which a call widens each tile's quants (on CPUs without a dot-product instruction): where widening pays
+// for itself on a two-core Zen 3 (signed and six-bit quants: 8 rows 1.1-1.3x, 32 rows 1.2-1.5x; nibbles 16 rows
+// 1.0-1.2x).
+constexpr int64_t wide_from(int64_t format) { return format & (kSigned | kSixBits) ? 6 : 16; }
+
+// Eight int32 lanes of outputs 0-7 from the pairwise sums of outputs 0-3 (``low``) and 4-7 (``high``), two lanes each.
+inline __m256i output_sums(__m256i low, __m256i high) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(low, high), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+template <bool Offsets, bool Halves, int Scales, int Rows>
+void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_t format, const QuantizedRows& a,
+               int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    __m256 sums[Rows];
+    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
+    GroupReader<Offsets, Halves, Scales> group(tile, format);
+    for (int64_t g = 0; g < groups; ++g) {
+        group.next(g);
+        const __m256i* weights = wide.weights.data() + g * 16;
+        for (int r = 0; r < Rows; ++r) {
+            const int64_t at = (first + r) * a.groups + g;
+            const int16_t* values = a.wide.data() + at * kGroup;
+            __m256i totals[2][2];  // (inputs 0-15 | 16-31, outputs 0-3 | 4-7)
+            for (int h = 0; h < 2; ++h) totals[h][0] = totals[h][1] = _mm256_setzero_si256();
+            for (int k = 0; k < 8; ++k) {
+                int64_t quad;
+                std::memcpy(&quad, values + 4 * k, sizeof(quad));
+                const __m256i broadcast = _mm256_set1_epi64x(quad);
+                totals[k / 4][0] = _mm256_add_epi32(totals[k / 4][0], _mm256_madd_epi16(weights[2 * k], broadcast));
+                totals[k / 4][1] = _mm256_add_epi32(totals[k / 4][1], _mm256_madd_epi16(weights[2 * k + 1], broadcast));
+            }
+            sums[r] = add_group_value(sums[r], group, output_sums(totals[0][0], totals[0][1]),
+                                      output_sums(totals[1][0], totals[1][1]), a, at);
+        }
+    }
+    store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>
 void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
-                   int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid) {
+                   int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid, WideTile& wide) {
     int64_t first = 0;
+    if (!a.wide.empty()) {
+        widen_tile<Nibbles, SixBits, Signed>(tile, groups, format, wide);
+        for (; first + kWideRowsPerPass <= rows; first += kWideRowsPerPass)
+            wide_rows<Offsets, Halves, Scales, kWideRowsPerPass>(tile, wide, groups, format, a, first, bias, y, y_stride,
+                                                                 valid);
+        for (; first < rows; ++first)
+            wide_rows<Offsets, Halves, Scales, 1>(tile, wide, groups, format, a, first, bias, y, y_stride, valid);
+        return;
+    }
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
         tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, kRowsPerPass>(tile, groups, format, a, first, bias, y,
                                                                           y_stride, valid);
@@ -348,7 +466,7 @@ void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const Qu
 }
 
 using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, const float*, float*,
-                             int64_t, int64_t);
+                             int64_t, int64_t, WideTile&);
 
 template <bool Nibbles, bool SixBits, bool Signed, int Scales>
 TileProduct with_floats(int64_t format) {
@@ -439,22 +557,34 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
                     "bias: (out,) float32");
     auto output = at::empty({rows, out_features}, inputs.options());
     if (rows == 0 || groups == 0) return output.zero_();
-    const qp::QuantizedRows activations(inputs.data_ptr<float>(), inputs.stride(0), rows, groups);
+#if defined(__AVX2__)
+    const bool wide = !qp::kDotInstruction && rows >= qp::wide_from(format);
+#else
+    const bool wide = false;
+#endif
+    const qp::QuantizedRows activations(inputs.data_ptr<float>(), inputs.stride(0), rows, groups, wide);
     const uint8_t* weights = packed.data_ptr<uint8_t>();
     const float* offsets = biased ? bias->data_ptr<float>() : nullptr;
     float* y = output.data_ptr<float>();
     const int64_t bytes = packed.size(1) * qp::unit_bytes(format);  // a tile's
 #if defined(__AVX2__)
     const qp::TileProduct product = qp::tile_product(format);
-#else
-    const auto product = qp::tile_all_rows_scalar;
 #endif
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX2__)
+        qp::WideTile scratch;
+#endif
         for (int64_t t = begin; t < end; ++t) {
             const int64_t column = t * qp::kTile;
+#if defined(__AVX2__)
             product(weights + t * bytes, groups, format, activations, rows,
                     offsets == nullptr ? nullptr : offsets + column, y + column, out_features,
-                    std::min<int64_t>(qp::kTile, out_features - column));
+                    std::min<int64_t>(qp::kTile, out_features - column), scratch);
+#else
+            qp::tile_all_rows_scalar(weights + t * bytes, groups, format, activations, rows,
+                                     offsets == nullptr ? nullptr : offsets + column, y + column, out_features,
+                                     std::min<int64_t>(qp::kTile, out_features - column));
+#endif
         }
     });
     return output;

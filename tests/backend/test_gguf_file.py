@@ -39,11 +39,12 @@ def test_every_types_product_is_its_integer_arithmetic(type_name):
     matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
     linear = QuantizedLinear(matrix, None, kernels)
     assert linear.quantization == type_name.lower()
-    inputs = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    # (20 rows: calls of many rows may take the products another way on some CPUs, one row never does)
+    inputs = torch.randn(20, 512, generator=torch.Generator().manual_seed(2))
     output = linear(inputs)
     assert torch.equal(output, reference_product(inputs, matrix, None))
     assert relative_error(output, inputs.double() @ matrix.dequantize().double().T) < PRODUCT_TOLERANCE
-    for row in range(9):
+    for row in range(20):
         assert torch.equal(linear(inputs[row : row + 1])[0], output[row])
 
 

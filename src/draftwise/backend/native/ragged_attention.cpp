@@ -676,7 +676,10 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
     const int64_t committed = view.committed;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, path_lengths[r]);
-    const int64_t padded = (committed + longest + kLanes - 1) / kLanes * kLanes;
+    // (draftwise::kLanes, the sixteen lanes: linear.cpp's avx2 namespace has a kLanes of its own when the sources
+    // are compiled as one unit)
+    constexpr int64_t kSixteen = draftwise::kLanes;
+    const int64_t padded = (committed + longest + kSixteen - 1) / kSixteen * kSixteen;
     scratch.scores.resize(rows * G * padded);
     scratch.totals.resize(rows * G);
     scratch.sums.assign(rows * G * C, floats16{});
@@ -767,7 +770,7 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             for (int64_t d = 0; d < kDim; d += 8)
                 _mm256_store_ps(averaged + d, _mm256_div_ps(_mm256_loadu_ps(sums + (r * G + g) * kDim + d), total));
             scalar_t* out = outputs[r] + g * dim;
-            for (int64_t c = 0; c < C; ++c) store_lanes(out + c * kLanes, load16(averaged + c * kLanes), kLanes);
+            for (int64_t c = 0; c < C; ++c) store_lanes(out + c * kSixteen, load16(averaged + c * kSixteen), kSixteen);
         }
     }
 }

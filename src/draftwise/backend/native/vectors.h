@@ -34,16 +34,9 @@ void dispatch(const at::Tensor& tensor, Function&& function) {
 }
 
 inline floats16 load16(const float* source) {
-#if defined(__AVX__) && !defined(__AVX512F__)
-    // (two 256-bit loads: GCC assembles a memcpy into a vector wider than the machine's one lane at a time)
-    typedef float floats8 __attribute__((vector_size(32)));
-    const floats8 low = (floats8)_mm256_loadu_ps(source), high = (floats8)_mm256_loadu_ps(source + 8);
-    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
     floats16 out;
     std::memcpy(&out, source, sizeof(out));
     return out;
-#endif
 }
 
 inline floats16 load16(const c10::BFloat16* source) {

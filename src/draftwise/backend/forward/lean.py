@@ -298,7 +298,7 @@ class LeanTarget(Target):
         #: in the order the forward meets them), ``None`` for float weights.
         types = [kind for product in self.products if isinstance(product, (QuantizedLinear, DequantizedLinear))
                  for kind in product.types]
-        self.quantization = quantization_name(list(dict.fromkeys(types))) or None
+        self.quantization = quantization_name(dict.fromkeys(types)) or None
         #: Whether the products' weights are in transparent huge pages.
         self.huge_pages = huge_pages and place_in_huge_pages(list(self.products), device)
         inverse = 1.0 / (

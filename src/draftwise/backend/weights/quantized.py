@@ -20,7 +20,7 @@ dequantised matrix (``tests/quantized_reference.py`` states the arithmetic step 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -388,7 +388,7 @@ def packed_product(source: Any, modules: tuple[Any, ...]) -> PackedMatrix:
     return PackedMatrix.of(QuantizedMatrix.stack([source[module] for module in modules]))
 
 
-def quantization_name(types: tuple[str, ...] | list[str]) -> str:
+def quantization_name(types: Iterable[str]) -> str:
     """How a product's block types are named to users, e.g. ``q4_k+q6_k``."""
     return "+".join(kind.lower() for kind in types)
 

@@ -34,16 +34,17 @@ def test_every_type_decodes_to_ggufs_values_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize("type_name", FILE_TYPES)
-def test_every_types_product_is_its_integer_arithmetic(type_name):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_every_types_product_is_its_integer_arithmetic(type_name, bits):
 
     matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
-    linear = QuantizedLinear(matrix, None, kernels)
+    linear = QuantizedLinear(matrix, None, kernels, activation_bits=bits)
     assert linear.quantization == type_name.lower()
     # (20 rows: calls of many rows may take the products another way on some CPUs, one row never does)
     inputs = torch.randn(20, 512, generator=torch.Generator().manual_seed(2))
     output = linear(inputs)
-    assert torch.equal(output, reference_product(inputs, matrix, None))
-    assert relative_error(output, inputs.double() @ matrix.dequantize().double().T) < PRODUCT_TOLERANCE
+    assert torch.equal(output, reference_product(inputs, matrix, None, bits))
+    assert relative_error(output, inputs.double() @ matrix.dequantize().double().T) < PRODUCT_TOLERANCE[bits]
     for row in range(20):
         assert torch.equal(linear(inputs[row : row + 1])[0], output[row])
 
@@ -131,18 +132,28 @@ REAL_TEXTS = (
 )
 
 
+#: Per activation bits, the largest relative error (in norm) of the shipped SmolLM2 file's logits against the float32
+#: model transformers de-quantises from it, and the least teacher-forced top-1 agreement with it on real text.
+#: Measured on 1129 positions of Spec-Bench text: at 16 bits 1e-4 and every position; at 8 bits 2-4 % and 95.3 %,
+#: where llama.cpp on the same file gives 2-3 % and 95.0 % (activations in 8 bits, as here).
+SHIPPED_FILE_AGREEMENT = {8: (0.05, 0.93), 16: (0.005, 0.98)}
+
+
 @pytest.mark.slow
-def test_the_shipped_files_own_blocks_agree_with_its_float_model(tmp_path):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_shipped_files_own_blocks_agree_with_its_float_model(bits, tmp_path):
     """SmolLM2-135M's file (Q4_1 layers, a Q8_0 head) as shipped, against the float32 forward of the model
-    transformers de-quantised from the file: logits within 0.5 % (in norm; measured 1e-4 to 3e-4) and teacher-forced
-    top-1 agreement of at least 98 % on real text (measured: every position); drafting keeps plain greedy's ids."""
+    transformers de-quantised from the file: logits and teacher-forced top-1 agreement within
+    SHIPPED_FILE_AGREEMENT on real text; drafting keeps plain greedy's ids."""
     from tiny import prefill_and_chain_logits
 
     import draftwise
     from draftwise.backend.forward.lean import LeanTarget
 
-    target, tokenizer = draftwise.load_model("smollm2-135m", weights="file", cache_dir=tmp_path)
+    tolerance, least_agreement = SHIPPED_FILE_AGREEMENT[bits]
+    target, tokenizer = draftwise.load_model("smollm2-135m", weights="file", cache_dir=tmp_path, activation_bits=bits)
     assert target.quantization == "q4_1+q8_0" and target.linear_path == "kernel-q4_1+q8_0"
+    assert target.activation_bits == bits
     float_target, _ = draftwise.load_model("smollm2-135m", dtype=torch.float32, calibrate=False, cache_dir=tmp_path)
     reference = LeanTarget(float_target.model)
     agreeing = total = 0
@@ -151,10 +162,10 @@ def test_the_shipped_files_own_blocks_agree_with_its_float_model(tmp_path):
         prompt, chain = tokens[:8], tokens[8:]
         outputs = [prefill_and_chain_logits(model, prompt, chain, len(tokens) + 8) for model in (target, reference)]
         for ours, theirs in zip(*outputs):
-            assert relative_error(ours, theirs) < 0.005
+            assert relative_error(ours, theirs) < tolerance
         agreeing += int((outputs[0][1].argmax(-1) == outputs[1][1].argmax(-1)).sum())
         total += len(chain)
-    assert agreeing / total >= 0.98
+    assert agreeing / total >= least_agreement
     messages = [{"role": "user", "content": "Repeat this list twice: apple, pear, plum, fig, kiwi, lime."}]
     plain = draftwise.generate(target, tokenizer, messages, method="ar", max_new_tokens=40)
     drafted = draftwise.generate(target, tokenizer, messages, method="pld", max_new_tokens=40)

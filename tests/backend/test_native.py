@@ -167,9 +167,10 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dtype", "weights"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "q4_0")])
+@pytest.mark.parametrize(("dtype", "weights", "bits"), [(torch.float32, None, 8), (torch.bfloat16, None, 8),
+                                                        (torch.float32, "q4_0", 8), (torch.float32, "q4_0", 16)])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, kind, tmp_path):
+def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, kind, tmp_path):
     """The decoder layers as one compiled call give the logits and the cache contents of the Python loop over the
     same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections;
     q4_0: the quantised products)."""
@@ -181,7 +182,7 @@ def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, kind, tm
     if weights is None:
         target = planned(model, tmp_path)
     else:
-        target = LeanTarget(model, quantization=weights)
+        target = LeanTarget(model, quantization=weights, activation_bits=bits)
         plan_rows(target, MeasurementStore(tmp_path))
     if target.compiled_layers is None:
         pytest.skip(f"the blocked products do not run {dtype} on this CPU")

@@ -14,8 +14,11 @@ from draftwise.backend import native
 from draftwise.backend.weights.quantized import (CENTRE_SHIFT, HALF_FLOATS, KINDS, NIBBLES, SIGNED, QuantizedLinear,
                                                  decode, dequantize, pack, quantize)
 
-#: The largest relative error (in norm) of a tiny model's logits after every layer's products.
-LOGITS_TOLERANCE = 1e-3
+#: The largest relative error (in norm) of a tiny model's logits after every layer's products, by activation bits.
+LOGITS_TOLERANCE = {8: 1e-2, 16: 1e-3}
+#: The least share of its rows whose top token is the float forward's, by activation bits (a random tiny model's
+#: logits are close to ties; the shipped model's test asks 98 % of real text at both precisions).
+TOP_AGREEMENT = {8: 0.95, 16: 0.98}
 
 kernels = native.load_kernels(warn=False)
 pytestmark = pytest.mark.skipif(kernels is None, reason="the kernels cannot be built here")
@@ -33,25 +36,27 @@ def rows(count: int, in_features: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (17, 576), (960, 576)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_is_its_integer_arithmetic_and_close_to_the_float_product(kind, out_features, in_features, bias):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_is_its_integer_arithmetic_and_close_to_the_float_product(kind, out_features, in_features, bias, bits):
 
     blocks = quantize(matrix(out_features, in_features), kind)
     weights = dequantize(blocks, kind)
     offsets = torch.randn(out_features, generator=torch.Generator().manual_seed(3)) if bias else None
-    linear = QuantizedLinear(decode(blocks, kind), offsets, kernels)
+    linear = QuantizedLinear(decode(blocks, kind), offsets, kernels, activation_bits=bits)
     inputs = rows(9, in_features)
     output = linear(inputs)
     assert output.shape == (9, out_features) and output.dtype == torch.float32
-    assert torch.equal(output, reference_product(inputs, decode(blocks, kind), offsets))
+    assert torch.equal(output, reference_product(inputs, decode(blocks, kind), offsets, bits))
     exact = inputs.double() @ weights.double().T + (offsets.double() if bias else 0)
-    assert relative_error(output, exact) < PRODUCT_TOLERANCE
+    assert relative_error(output, exact) < PRODUCT_TOLERANCE[bits]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_is_bitwise_its_result_alone(kind, threads):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_every_row_is_bitwise_its_result_alone(kind, threads, bits):
     blocks = quantize(matrix(200, 160), kind)
-    linear = QuantizedLinear(decode(blocks, kind), torch.randn(200), kernels)
+    linear = QuantizedLinear(decode(blocks, kind), torch.randn(200), kernels, activation_bits=bits)
     inputs = rows(45, 160)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -97,11 +102,15 @@ def test_clear_refusals():
     with pytest.raises(TypeError, match="float32"):
         linear(rows(2, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="features"):
-        kernels.quantized_linear(rows(2, 32), linear.weight, linear.format, None, 64)
+        kernels.quantized_linear(rows(2, 32), linear.weight, linear.format, None, 64, 8)
     with pytest.raises(RuntimeError, match="packing"):
-        kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64)  # Q8_0 bytes read as nibbles
+        kernels.quantized_linear(rows(2, 64), linear.weight, 1, None, 64, 8)  # Q8_0 bytes read as nibbles
     with pytest.raises(RuntimeError, match="format"):
-        kernels.quantized_linear(rows(2, 64), linear.weight, 9, None, 64)  # signed nibbles
+        kernels.quantized_linear(rows(2, 64), linear.weight, 9, None, 64, 8)  # signed nibbles
+    with pytest.raises(RuntimeError, match="activation_bits"):
+        kernels.quantized_linear(rows(2, 64), linear.weight, linear.format, None, 64, 4)
+    with pytest.raises(ValueError, match="activation_bits"):
+        QuantizedLinear(decode(blocks, "q8_0"), None, kernels, activation_bits=12)
     with pytest.raises(ValueError, match="unknown quantisation"):
         quantize(matrix(64, 64), "q3_k")
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -127,7 +136,8 @@ def dequantised_copy(model, kind: str):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_quantised_forward_is_close_to_the_float_forward_of_the_dequantised_model(kind, family, tmp_path):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_quantised_forward_is_close_to_the_float_forward_of_the_dequantised_model(kind, family, bits, tmp_path):
     """Prefill and verification rows of the quantised target against the float32 lean forward of the same model with
     gguf-dequantised weights: within LOGITS_TOLERANCE, and the same top token on nearly every row."""
     from tiny import make_tiny_model, planned, prefill_and_chain_logits
@@ -135,20 +145,21 @@ def test_a_quantised_forward_is_close_to_the_float_forward_of_the_dequantised_mo
     from draftwise.backend.forward.lean import LeanTarget
 
     model = make_tiny_model(family, seed=0)
-    quantised = LeanTarget(model, quantization=kind)
+    quantised = LeanTarget(model, quantization=kind, activation_bits=bits)
     reference = planned(dequantised_copy(model, kind), tmp_path)
     assert quantised.linear_path == f"kernel-{kind}" and quantised.quantization == kind
     prompt, chain = list(range(3, 40)), list(range(5, 45))
     outputs = [prefill_and_chain_logits(target, prompt, chain, 128) for target in (quantised, reference)]
     for ours, theirs in zip(outputs[0], outputs[1]):
-        assert relative_error(ours, theirs) < LOGITS_TOLERANCE
+        assert relative_error(ours, theirs) < LOGITS_TOLERANCE[bits]
     ours, theirs = outputs[0][1], outputs[1][1]
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.98
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= TOP_AGREEMENT[bits]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("method", ["pld", "aded"])
-def test_every_method_gives_plain_greedy_ids_on_quantised_weights(kind, method, tmp_path):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_every_method_gives_plain_greedy_ids_on_quantised_weights(kind, method, bits, tmp_path):
     import random
 
     from equivalence import assert_same_ids_as_ar
@@ -158,7 +169,7 @@ def test_every_method_gives_plain_greedy_ids_on_quantised_weights(kind, method, 
     from draftwise.backend.calibration.machine import MeasurementStore
     from draftwise.backend.forward.lean import LeanTarget
 
-    target = LeanTarget(make_tiny_model("qwen2", seed=0), quantization=kind)
+    target = LeanTarget(make_tiny_model("qwen2", seed=0), quantization=kind, activation_bits=bits)
     assert probe_linear_rows(target) == 1  # rows need no padding to be exact (a padding may still be taken for speed)
     assert plan_rows(target, MeasurementStore(tmp_path)).exact
     prompts = [repetitive_prompt(random.Random(seed), low=30, high=40) for seed in range(3)]
@@ -184,3 +195,7 @@ def test_quantised_weights_refuse_what_they_cannot_run(tmp_path):
         make_target(make_tiny_model("llama", seed=0), backend="transformers", weights="q8_0", calibrate=False)
     with pytest.raises(ModelLoadError, match="unknown weights"):
         draftwise.load_model("smollm2-135m", weights="int3", cache_dir=tmp_path)
+    with pytest.raises(ModelLoadError, match="unknown activation_bits 4"):
+        draftwise.load_model("smollm2-135m", activation_bits=4, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="activation_bits"):
+        LeanTarget(make_tiny_model("llama", seed=0), quantization="q8_0", activation_bits=32)

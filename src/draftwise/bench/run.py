@@ -496,7 +496,7 @@ class BenchSettings:
     Attributes:
         methods: method specs and transformers rows (``ar`` is added first when missing).
         model, draft_model: presets, GGUF files or checkpoint folders (``draft_model`` adds ``hf-assisted``).
-        dtype, backend, weights, device, threads, cache_dir: how the models are loaded (see
+        dtype, backend, weights, activation_bits, device, threads, cache_dir: how the models are loaded (see
             :func:`draftwise.load_model`); with ``weights="file"`` the llama.cpp rows run the very GGUF file the target
             runs, else the file rewritten at the target's float width.
         budgets: draft budgets to sweep (``None``: each method at the engine's default).
@@ -513,6 +513,7 @@ class BenchSettings:
     dtype: str = "auto"
     backend: str = "auto"
     weights: str | None = None
+    activation_bits: int = 16
     device: str = "cpu"
     threads: int | None = None
     cache_dir: str | None = None
@@ -589,7 +590,7 @@ class Benchmark:
         else:
             model, tokenizer = load_model(
                 settings.model, dtype=settings.dtype, device=settings.device, cache_dir=settings.cache_dir,
-                backend=settings.backend, weights=settings.weights,
+                backend=settings.backend, weights=settings.weights, activation_bits=settings.activation_bits,
             )
         draft_model = None
         if settings.draft_model:

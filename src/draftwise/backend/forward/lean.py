@@ -34,8 +34,8 @@ from ..rows import RowBlock, is_chain
 from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
-from ..weights.quantized import (BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear, QuantizedMatrix,
-                                 decode, packed_product, quantization_name, quantize)
+from ..weights.quantized import (ACTIVATION_BITS, BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear,
+                                 QuantizedMatrix, decode, packed_product, quantization_name, quantize)
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -209,6 +209,11 @@ class LeanTarget(Target):
             quantised forward is compared with. Not with ``quantization``.
         embedding: the token embedding's rows by id where ``model`` does not hold its table in float (a GGUF file's
             blocks, :func:`draftwise.backend.weights.gguf_file.file_embedding`).
+        activation_bits: the precision block-quantised products on the compiled kernels take each row's activations
+            in: 16 (the default: within about 1e-4 of the float forward) or 8 (llama.cpp's: half the integer
+            multiplies);
+            see :class:`~draftwise.backend.weights.quantized.QuantizedLinear`. Products dequantised per call (GPUs)
+            take float activations whatever this says.
 
     A model built without its quantised weights (:func:`draftwise.backend.weights.gguf_file.file_model`: those
     matrices on the ``meta`` device, every one given by ``quantized``/``embedding``) runs on the CPU.
@@ -228,7 +233,12 @@ class LeanTarget(Target):
         quantization: str | None = None,
         quantized: Mapping[Any, QuantizedMatrix] | MatrixSource | None = None,
         embedding: Any = None,
+        activation_bits: int = 16,
     ) -> None:
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits: one of {', '.join(map(str, ACTIVATION_BITS))}, not {activation_bits!r}")
+        #: The precision of the quantised products' activations (see the class notes).
+        self.activation_bits = activation_bits
         reason = unsupported_reason(model)
         if reason is not None:
             raise UnsupportedModelError(f"the lean forward cannot run this model: {reason}")
@@ -282,7 +292,7 @@ class LeanTarget(Target):
             if matrix is not None:
                 if self.dequantizing:
                     return DequantizedLinear(matrix, bias, device, linear_min_rows, linear_fixed)
-                return QuantizedLinear(matrix, bias, self.kernel, linear_min_rows)
+                return QuantizedLinear(matrix, bias, self.kernel, linear_min_rows, activation_bits=activation_bits)
             product = self.linear(weight, bias, linear_min_rows)
             product.fixed_rows = linear_fixed
             return product
@@ -398,7 +408,7 @@ class LeanTarget(Target):
             [linear.bias for linear in products],
             [linear.format if isinstance(linear, QuantizedLinear) else -1 for linear in products],
             [linear.out_features for linear in self.layers[0].products], self.heads, self.kv_heads, self.eps,
-            self.scale,
+            self.scale, self.activation_bits,
         )
 
     @property

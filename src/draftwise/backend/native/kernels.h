@@ -26,7 +26,7 @@ at::Tensor pack_blocked_weight(const at::Tensor& weight);
 at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, int64_t out_features);
 at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
-                            const c10::optional<at::Tensor>& bias, int64_t out_features);
+                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits);
 std::tuple<at::Tensor, bool> top_tokens(const at::Tensor& logits, int64_t k);
 at::Tensor sampling_probabilities(const at::Tensor& logits, double temperature, int64_t top_k, double top_p,
                                   double min_p);
@@ -36,10 +36,11 @@ class DecoderLayers {
    public:
     // Per layer, in order: norms (attention's, the MLP's), packed weights, biases (an undefined tensor: none) and
     // formats (-1: blocked_linear's float weights, else quantized_linear's format bits) of the products qkv, output,
-    // gate_up, down; ``out_features`` of those four products.
+    // gate_up, down; ``out_features`` of those four products; the quantised products' ``activation_bits``.
     DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
                   std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> formats,
-                  std::vector<int64_t> out_features, int64_t heads, int64_t kv_heads, double eps, double scale);
+                  std::vector<int64_t> out_features, int64_t heads, int64_t kv_heads, double eps, double scale,
+                  int64_t activation_bits);
 
     // Every layer over ``hidden`` (rows, dim); returns the last layer's hidden states and every layer's keys and
     // values of the rows, (layers, rows, kv_heads, head_dim) each.
@@ -57,6 +58,6 @@ class DecoderLayers {
     std::vector<at::Tensor> norms_, weights_;
     std::vector<c10::optional<at::Tensor>> biases_;
     std::vector<int64_t> formats_, out_features_;
-    int64_t heads_, kv_heads_;
+    int64_t heads_, kv_heads_, activation_bits_;
     double eps_, scale_;
 };

@@ -19,9 +19,10 @@ enum Product { kQkv = 0, kOutput = 1, kGateUp = 2, kDown = 3 };
 DecoderLayers::DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
                              std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> formats,
                              std::vector<int64_t> out_features, int64_t heads, int64_t kv_heads, double eps,
-                             double scale)
+                             double scale, int64_t activation_bits)
     : norms_(std::move(norms)), weights_(std::move(weights)), biases_(std::move(biases)), formats_(std::move(formats)),
-      out_features_(std::move(out_features)), heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
+      out_features_(std::move(out_features)), heads_(heads), kv_heads_(kv_heads), activation_bits_(activation_bits),
+      eps_(eps), scale_(scale) {
     TORCH_CHECK(norms_.size() % 2 == 0 && !norms_.empty(), "norms: two per layer");
     const size_t layers = norms_.size() / 2;
     TORCH_CHECK(weights_.size() == kProducts * layers && biases_.size() == kProducts * layers &&
@@ -39,7 +40,8 @@ at::Tensor DecoderLayers::product(const at::Tensor& inputs, int64_t layer, int w
     const size_t index = kProducts * layer + which;
     auto output = formats_[index] < 0
                       ? blocked_linear(padded, weights_[index], biases_[index], out_features_[which])
-                      : quantized_linear(padded, weights_[index], formats_[index], biases_[index], out_features_[which]);
+                      : quantized_linear(padded, weights_[index], formats_[index], biases_[index], out_features_[which],
+                                         activation_bits_);
     return rows < min_rows ? output.narrow(0, 0, rows) : output;
 }
 

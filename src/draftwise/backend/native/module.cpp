@@ -22,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     pybind11::class_<DecoderLayers>(module, "DecoderLayers", pybind11::module_local())
         .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                             std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, std::vector<int64_t>,
-                            int64_t, int64_t, double, double>())
+                            int64_t, int64_t, double, double, int64_t>())
         .def("run", &DecoderLayers::run, "Every decoder layer over the rows; (hidden, keys, values)",
              pybind11::call_guard<pybind11::gil_scoped_release>())
         .def("__len__", &DecoderLayers::size);

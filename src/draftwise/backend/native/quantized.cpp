@@ -1,12 +1,12 @@
 // Linear products (y = x W^T + b, float32 rows) over weights kept in GGUF's block quantisations, as integer dot
 // products: the weights in the common form draftwise.backend.weights.quantized decodes every type to (per 32 inputs a
 // scale, or two for inputs 0-15 and 16-31, an optional offset, small integer quants), and each row's activations
-// quantised per group of 32 inputs to 16-bit fixed point in two int8 parts (llama.cpp's dot products use the first
-// part alone; the second keeps a forward within a hair of the float one):
+// quantised per group of 32 inputs to 8 bits (as llama.cpp's dot products take them) or, at twice the multiplies,
+// to 16-bit fixed point in two int8 parts (the second keeps a forward within a hair of the float one):
 //
-//   d = max |x| / 127, q = round-to-nearest-even(x * (1 / d)) clamped to [-127, 127] (d = 0: every q = 0), then the
-//   residual's r = round-to-nearest-even((x - d * q) * (256 / d)) clamped likewise; the activation is a = 256 q + r
-//   in units of d / 256;
+//   d = max |x| / 127, q = round-to-nearest-even(x * (1 / d)) clamped to [-127, 127] (d = 0: every q = 0), then
+//   with 16 bits the residual's r = round-to-nearest-even((x - d * q) * (256 / d)) clamped likewise (with 8 bits
+//   r = 0); the activation is a = 256 q + r in units of d / 256;
 //   per group and output, the integer sums over inputs 0-15 and 16-31 of quant * a (exact), then in float32
 //   value = scale * sum (halves: scale_lo * sum_lo + scale_hi * sum_hi), value = value * (d / 256),
 //   with offsets value = value + offset * ((d / 256) * sum of a), and the output's sum += value, group after group;
@@ -14,8 +14,8 @@
 //
 // Every operation is one float32 rounding in one fixed order per row, whatever the other rows of the call, the
 // thread count or the vector width: a row of a verification forward is bitwise its one-row product. Calls of many
-// rows on CPUs without a dot-product instruction get the same integer sums another way (quants widened to int16 once
-// per tile, see WideTile): the same integers, so the same bits.
+// rows of 16-bit activations on CPUs without a dot-product instruction get the same integer sums another way (quants
+// widened to int16 once per tile, see WideTile): the same integers, so the same bits.
 //
 // Packed layout, once at load: (tiles, groups, bytes) for tiles of 8 outputs and groups of 32 inputs: the 8 outputs'
 // scales as float32 (a second row of 8 for inputs 16-31 with kHalves), their offsets (with kOffsets), then the quants
@@ -110,10 +110,13 @@ struct QuantizedRows {
     std::vector<float> scaled_sums;    // (rows, groups): (d / 256) * sum of a
     std::vector<int32_t> half_sums;    // (rows, groups, 2): sums of a over inputs 0-15 and 16-31
     std::vector<int16_t> wide;         // (rows, groups * 32): a = 256 q + r, when asked for (else empty)
+    bool with_residuals;               // 16-bit activations (else every r is 0)
 
-    QuantizedRows(const float* x, int64_t x_stride, int64_t rows, int64_t groups_, bool with_wide = false)
+    QuantizedRows(const float* x, int64_t x_stride, int64_t rows, int64_t groups_, bool residuals_,
+                  bool with_wide = false)
         : groups(groups_), quants(rows * groups_ * kGroup), residuals(rows * groups_ * kGroup), scales(rows * groups_),
-          scaled_sums(rows * groups_), half_sums(rows * groups_ * 2), wide(with_wide ? rows * groups_ * kGroup : 0) {
+          scaled_sums(rows * groups_), half_sums(rows * groups_ * 2), wide(with_wide ? rows * groups_ * kGroup : 0),
+          with_residuals(residuals_) {
         // Rows apart on the threads once there are enough of them (a prompt's), each row's steps the same.
         const int64_t grain = std::max<int64_t>(1, kParallelValues / std::max<int64_t>(1, groups * kGroup));
         at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -135,7 +138,9 @@ struct QuantizedRows {
             int32_t sums[2] = {0, 0};
             for (int64_t i = 0; i < kGroup; ++i) {
                 q[i] = clamped(std::nearbyint(values[i] * inverse));
-                residual[i] = clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) * (inverse * 256.0f)));
+                residual[i] = with_residuals ? clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) *
+                                                                      (inverse * 256.0f)))
+                                             : 0;
                 sums[i / kHalf] += 256 * q[i] + residual[i];
             }
             if (!wide.empty())
@@ -227,6 +232,18 @@ inline __m256 eight_halves(const uint8_t* source) {
         values[j] = static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(source)[j], c10::Half::from_bits()));
     return _mm256_load_ps(values);
 #endif
+}
+
+// How far ahead of the quants being read a product asks for the weights: a row's product streams the weights from
+// memory with little arithmetic per byte, and the hardware prefetcher alone left a two-core Zen 3 at ~12 GB/s of its
+// ~19 (Qwen2.5-1.5B Q4_K_M one-row steps 83 -> 64-68 ms with 2 KiB; 0.5-1.5 KiB 68-75 ms, 4 KiB 84 ms).
+constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kCacheLine = 64;
+
+// The cache lines ``bytes`` long at kPrefetchBytes past ``packed``, asked for.
+inline void prefetch_ahead(const uint8_t* packed, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += kCacheLine)
+        _mm_prefetch(reinterpret_cast<const char*>(packed + kPrefetchBytes + line), _MM_HINT_T0);
 }
 
 // Reads a tile's groups one after the other: each group's float32 factors of the tile's 8 outputs (scale, the
@@ -321,7 +338,8 @@ inline void store_rows(const __m256* sums, int64_t first, const float* bias, flo
         _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
 }
 
-template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, int Rows>
+// (Residuals: the rows' activations have residuals; without, their products are zero and skipped.)
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals, int Rows>
 void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -331,6 +349,7 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
     GroupReader<Offsets, Halves, Scales> group(tile, format);
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* packed = group.next(g);
+        prefetch_ahead(packed, group.bytes);
         __m256i weights[8];
         unpack_quants<Nibbles, SixBits>(packed, weights);
         __m256i magnitudes[8];
@@ -347,23 +366,27 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
                     __m256i high_pairs = _mm256_setzero_si256(), low_pairs = _mm256_setzero_si256();
                     for (int k = 4 * h; k < 4 * h + 4; ++k) {
                         high_pairs = _mm256_add_epi16(high_pairs, _mm256_maddubs_epi16(weights[k], broadcast_quad(q, k)));
-                        low_pairs = _mm256_add_epi16(low_pairs, _mm256_maddubs_epi16(weights[k], broadcast_quad(residual, k)));
+                        if (Residuals)
+                            low_pairs = _mm256_add_epi16(low_pairs,
+                                                         _mm256_maddubs_epi16(weights[k], broadcast_quad(residual, k)));
                     }
                     high = _mm256_madd_epi16(high_pairs, ones);
-                    low = _mm256_madd_epi16(low_pairs, ones);
+                    if (Residuals) low = _mm256_madd_epi16(low_pairs, ones);
                 } else {
                     for (int k = 4 * h; k < 4 * h + 4; ++k) {
-                        const __m256i first = broadcast_quad(q, k), second = broadcast_quad(residual, k);
+                        const __m256i first = broadcast_quad(q, k);
                         if (Signed) {  // |w| times the activation with w's sign
                             high = add_dot(high, magnitudes[k], _mm256_sign_epi8(first, weights[k]));
-                            low = add_dot(low, magnitudes[k], _mm256_sign_epi8(second, weights[k]));
+                            if (Residuals)
+                                low = add_dot(low, magnitudes[k], _mm256_sign_epi8(broadcast_quad(residual, k), weights[k]));
                         } else {
                             high = add_dot(high, weights[k], first);
-                            low = add_dot(low, weights[k], second);
+                            if (Residuals) low = add_dot(low, weights[k], broadcast_quad(residual, k));
                         }
                     }
                 }
-                __m256i total = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
+                __m256i total = _mm256_slli_epi32(high, 8);
+                if (Residuals) total = _mm256_add_epi32(total, low);
                 if (!Signed && centre != 0)
                     total = _mm256_sub_epi32(total, _mm256_set1_epi32(centre * a.half_sums[2 * at + h]));
                 halves[h] = total;
@@ -403,10 +426,13 @@ void widen_tile(const uint8_t* tile, int64_t groups, int64_t format, WideTile& w
     }
 }
 
-// Rows from which a call widens each tile's quants (on CPUs without a dot-product instruction): where widening pays
-// for itself on a two-core Zen 3 (signed and six-bit quants: 8 rows 1.1-1.3x, 32 rows 1.2-1.5x; nibbles 16 rows
-// 1.0-1.2x).
-constexpr int64_t wide_from(int64_t format) { return format & (kSigned | kSixBits) ? 6 : 16; }
+// Rows from which a call of 16-bit activations widens each tile's quants (on CPUs without a dot-product
+// instruction): where widening pays for itself on a two-core Zen 3 (signed and six-bit quants: 8 rows 1.1-1.3x, 32
+// rows 1.2-1.5x; nibbles 16 rows 1.0-1.2x). 8-bit activations have half the byte products: there, on the same CPU,
+// the widened products were slower at 1-64 rows (0.4-0.9x, Q6_K and Q8_0 at 64 rows up to 1.2x), so never.
+constexpr int64_t wide_from(int64_t format) {
+    return format & (kSigned | kSixBits) ? 6 : 16;
+}
 
 // Eight int32 lanes of outputs 0-7 from the pairwise sums of outputs 0-3 (``low``) and 4-7 (``high``), two lanes each.
 inline __m256i output_sums(__m256i low, __m256i high) {
@@ -441,6 +467,23 @@ void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
+// Every row of a call through tile_rows, kRowsPerPass at a time.
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
+void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
+                 const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    int64_t first = 0;
+    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
+        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, kRowsPerPass>(tile, groups, format, a,
+                                                                                             first, bias, y, y_stride,
+                                                                                             valid);
+    switch (rows - first) {
+        case 1: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 2: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 3: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        default: break;
+    }
+}
+
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>
 void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                    int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid, WideTile& wide) {
@@ -454,15 +497,12 @@ void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const Qu
             wide_rows<Offsets, Halves, Scales, 1>(tile, wide, groups, format, a, first, bias, y, y_stride, valid);
         return;
     }
-    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, kRowsPerPass>(tile, groups, format, a, first, bias, y,
-                                                                          y_stride, valid);
-    switch (rows - first) {
-        case 1: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 2: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 3: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        default: break;
-    }
+    if (a.with_residuals)
+        narrow_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, true>(tile, groups, format, a, rows, bias, y,
+                                                                             y_stride, valid);
+    else
+        narrow_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, false>(tile, groups, format, a, rows, bias, y,
+                                                                              y_stride, valid);
 }
 
 using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, const float*, float*,
@@ -537,9 +577,10 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
 }  // namespace quantized_products
 
 at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
-                            const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
     namespace qp = quantized_products;
     TORCH_CHECK(qp::valid_format(format), "format: the packing's format bits and centre");
+    TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits: 8 or 16");
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat && inputs.stride(1) == 1,
                 "inputs: (rows, in) float32, rows contiguous");
     TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -558,11 +599,12 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     auto output = at::empty({rows, out_features}, inputs.options());
     if (rows == 0 || groups == 0) return output.zero_();
 #if defined(__AVX2__)
-    const bool wide = !qp::kDotInstruction && rows >= qp::wide_from(format);
+    const bool wide = !qp::kDotInstruction && activation_bits == 16 && rows >= qp::wide_from(format);
 #else
     const bool wide = false;
 #endif
-    const qp::QuantizedRows activations(inputs.data_ptr<float>(), inputs.stride(0), rows, groups, wide);
+    const qp::QuantizedRows activations(inputs.data_ptr<float>(), inputs.stride(0), rows, groups, activation_bits == 16,
+                                        wide);
     const uint8_t* weights = packed.data_ptr<uint8_t>();
     const float* offsets = biased ? bias->data_ptr<float>() : nullptr;
     float* y = output.data_ptr<float>();

@@ -11,10 +11,11 @@ and :func:`pack` lays it out once in the kernel's tiles of 8 outputs (see ``nati
 nibbles where they fit in four bits, else one byte each, grouped four inputs to a 32-bit lane.
 
 The product is an integer dot product, as llama.cpp's: each row's activations are quantised per group of 32 inputs to
-16-bit fixed point (two int8 parts), the sums of quant x activation are exact integers, and the float32 steps after
-them run in one fixed order per row. A row's result therefore never depends on the other rows of the call (a
-verification row is bitwise plain decoding's), and stays within about 1e-4 (relative) of the float product of the
-dequantised matrix (``tests/quantized_reference.py`` states the arithmetic step by step).
+16-bit fixed point (two int8 parts; or, asked for, to 8 bits as llama.cpp's, see :data:`ACTIVATION_BITS`), the sums
+of quant x activation are exact integers, and the float32 steps after them run in one fixed order per row. A row's
+result therefore never depends on the other rows of the call (a verification row is bitwise plain decoding's), and
+stays within about 1e-4 (relative) of the float product of the dequantised matrix at 16 bits, about 5e-3 at 8
+(``tests/quantized_reference.py`` states the arithmetic step by step).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from .products import Linear
 
 #: Quantisations weights can be quantised to on load, by name (``load_model(weights=...)``).
 KINDS = ("q8_0", "q4_0")
+#: The precisions a quantised product takes each row's activations in, per group of 32 inputs: 8 bits (an int8 and a
+#: scale, as llama.cpp's dot products take them) or 16 (two int8 parts: within a hair of the float product, at twice
+#: the integer multiplies).
+ACTIVATION_BITS = (8, 16)
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: The packed layout's version: repacked weights cached under another version are repacked again.
@@ -403,10 +408,15 @@ class QuantizedLinear(Linear):
         bias: ``(out_features,)`` or ``None`` (kept in float32).
         kernels: the compiled kernels' module (:func:`draftwise.backend.native.load_kernels`).
         min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
+        activation_bits: each row's activations quantised per group of 32 inputs to 8 bits (llama.cpp's precision)
+            or to 16 (two int8 parts: closer to the float product, twice the integer multiplies); see
+            :data:`ACTIVATION_BITS`.
     """
 
     def __init__(self, matrix: QuantizedMatrix | PackedMatrix, bias: torch.Tensor | None, kernels: Any,
-                 min_rows: int = 1, fixed_rows: bool = False) -> None:
+                 min_rows: int = 1, fixed_rows: bool = False, activation_bits: int = 16) -> None:
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits: one of {', '.join(map(str, ACTIVATION_BITS))}, not {activation_bits!r}")
         if matrix.shape[1] % BLOCK_INPUTS:
             raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {matrix.shape[1]}")
         packed = matrix if isinstance(matrix, PackedMatrix) else PackedMatrix.of(matrix)
@@ -419,6 +429,7 @@ class QuantizedLinear(Linear):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.min_rows = min_rows
         self.fixed_rows = fixed_rows
+        self.activation_bits = activation_bits
 
     @property
     def quantization(self) -> str:
@@ -429,7 +440,8 @@ class QuantizedLinear(Linear):
             raise TypeError(f"quantised products take float32 rows, not {inputs.dtype}")
         if inputs.stride(-1) != 1:
             inputs = inputs.contiguous()
-        return self.kernels.quantized_linear(inputs, self.weight, self.format, self.bias, self.out_features)
+        return self.kernels.quantized_linear(inputs, self.weight, self.format, self.bias, self.out_features,
+                                             self.activation_bits)
 
 
 def _dequantized(quants: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:

@@ -84,8 +84,8 @@ def _load(args: argparse.Namespace):
     )
     quantization = getattr(target, "quantization", None)
     weights = f", {quantization} weights" if quantization else ", float weights"
-    if quantization and not getattr(target, "dequantizing", True):
-        weights += f" ({target.activation_bits}-bit activations)"
+    if getattr(target, "kernel_activation_bits", None):
+        weights += f" ({target.kernel_activation_bits}-bit activations)"
     print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')}{weights} on {target.device} "
           f"({target.backend} forward)", file=sys.stderr)
     return target, tokenizer

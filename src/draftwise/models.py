@@ -30,7 +30,7 @@ from .backend.forward.graphed import lean_target
 from .backend.forward.lean import LeanTarget, unsupported_reason
 from .backend.target import Target, TransformersTarget
 from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
-from .backend.weights.quantized import ACTIVATION_BITS
+from .backend.weights.quantized import ACTIVATION_BITS, check_activation_bits
 from .errors import DraftwiseError, ModelLoadError, ModelNotInstalledError, UnsupportedModelError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -365,10 +365,13 @@ BACKENDS = ("auto", "lean", "transformers")
 #: quantisations (as shipped), ``"q8_0"``/``"q4_0"`` quantised on load, ``"float"`` the float weights in the dtype.
 WEIGHTS = ("file", "q8_0", "q4_0", "float")
 
-def _check_activation_bits(activation_bits: int) -> None:
-    if activation_bits not in ACTIVATION_BITS:
-        raise ModelLoadError(f"unknown activation_bits {activation_bits!r}; activation bits: "
-                             f"{', '.join(map(str, ACTIVATION_BITS))}")
+
+def check_load_activation_bits(activation_bits: int) -> None:
+    """A :class:`ModelLoadError` naming the choices unless ``activation_bits`` is one of :data:`ACTIVATION_BITS`."""
+    try:
+        check_activation_bits(activation_bits)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def default_weights(name_or_path: str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
@@ -415,7 +418,7 @@ def make_target(
         activation_bits: the precision quantised products take each row's activations in (see
             :data:`ACTIVATION_BITS`).
     """
-    _check_activation_bits(activation_bits)
+    check_load_activation_bits(activation_bits)
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     if weights is not None and weights not in WEIGHTS:
@@ -523,7 +526,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_activation_bits(activation_bits)
+    check_load_activation_bits(activation_bits)
     if weights is None:
         weights = default_weights(name_or_path, dtype, device, backend)
     if weights is not None and weights not in WEIGHTS:

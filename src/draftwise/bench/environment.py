@@ -185,8 +185,7 @@ def environment(
         # (the products' weights: a block quantisation, else the dtype's float weights)
         "weights": getattr(model, "quantization", None) or str(model.dtype).removeprefix("torch."),
         # (the precision of the quantised products' activations on the CPU kernels; None where there are none)
-        "activation_bits": (model.activation_bits if getattr(model, "quantization", None)
-                            and not getattr(model, "dequantizing", True) else None),
+        "activation_bits": getattr(model, "kernel_activation_bits", None),
         "backend": getattr(model, "backend", "transformers"),
         "row_plan": _row_plan(model),
         "threads": torch.get_num_threads(),

@@ -247,7 +247,7 @@ class SessionAffinityRouter(LocalityMixin, RequestRouter):
 def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any]) -> None:
     """Refuse, before any replica starts, a model or load option every replica would fail on."""
     from ..backend.calibration.machine import resolve_dtype
-    from ..models import ACTIVATION_BITS, BACKENDS, PRESETS, WEIGHTS
+    from ..models import BACKENDS, PRESETS, WEIGHTS, check_load_activation_bits
 
     unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate", "weights",
                                    "activation_bits"}
@@ -257,9 +257,7 @@ def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any])
         raise ModelLoadError(f"unknown backend {load_options['backend']!r}; backends: {', '.join(BACKENDS)}")
     if load_options.get("weights") not in (None, *WEIGHTS):
         raise ModelLoadError(f"unknown weights {load_options['weights']!r}; weights: {', '.join(WEIGHTS)}")
-    if load_options.get("activation_bits", 16) not in ACTIVATION_BITS:
-        raise ModelLoadError(f"unknown activation_bits {load_options['activation_bits']!r}; activation bits: "
-                             f"{', '.join(map(str, ACTIVATION_BITS))}")
+    check_load_activation_bits(load_options.get("activation_bits", 16))
     try:
         resolve_dtype(load_options.get("dtype", "auto"), load_options.get("device", "cpu"))
     except ValueError as error:

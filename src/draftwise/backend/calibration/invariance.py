@@ -210,7 +210,7 @@ def model_shape(target: Any) -> dict[str, Any]:
         "block": getattr(target, "block", None),
         "attention": getattr(target, "attention_path", None),
         "linear": getattr(target, "linear_path", None),
-        "activation_bits": getattr(target, "activation_bits", None) if getattr(target, "quantization", None) else None,
+        "activation_bits": getattr(target, "kernel_activation_bits", None),
         # The compiled kernels' build (their sources, flags and the machine): new kernels are measured anew.
         "kernels": getattr(target, "kernels_build", None),
     }

@@ -34,8 +34,8 @@ from ..rows import RowBlock, is_chain
 from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
-from ..weights.quantized import (ACTIVATION_BITS, BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear,
-                                 QuantizedMatrix, decode, packed_product, quantization_name, quantize)
+from ..weights.quantized import (BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear, QuantizedMatrix,
+                                 check_activation_bits, decode, packed_product, quantization_name, quantize)
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -211,9 +211,8 @@ class LeanTarget(Target):
             blocks, :func:`draftwise.backend.weights.gguf_file.file_embedding`).
         activation_bits: the precision block-quantised products on the compiled kernels take each row's activations
             in: 16 (the default: within about 1e-4 of the float forward) or 8 (llama.cpp's: half the integer
-            multiplies);
-            see :class:`~draftwise.backend.weights.quantized.QuantizedLinear`. Products dequantised per call (GPUs)
-            take float activations whatever this says.
+            multiplies); see :class:`~draftwise.backend.weights.quantized.QuantizedLinear`. Products dequantised per
+            call (GPUs) take float activations whatever this says (see :attr:`kernel_activation_bits`).
 
     A model built without its quantised weights (:func:`draftwise.backend.weights.gguf_file.file_model`: those
     matrices on the ``meta`` device, every one given by ``quantized``/``embedding``) runs on the CPU.
@@ -235,9 +234,8 @@ class LeanTarget(Target):
         embedding: Any = None,
         activation_bits: int = 16,
     ) -> None:
-        if activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation_bits: one of {', '.join(map(str, ACTIVATION_BITS))}, not {activation_bits!r}")
-        #: The precision of the quantised products' activations (see the class notes).
+        check_activation_bits(activation_bits)
+        #: The precision asked for the quantised products' activations (see the class notes).
         self.activation_bits = activation_bits
         reason = unsupported_reason(model)
         if reason is not None:
@@ -383,6 +381,12 @@ class LeanTarget(Target):
         otherwise."""
         return Linear(weight.detach(), None if bias is None else bias.detach(), self.packed,
                       self.linear_min_rows if min_rows is None else min_rows, kernels=self.kernel)
+
+    @property
+    def kernel_activation_bits(self) -> int | None:
+        """The precision the products' activations are quantised to: :attr:`activation_bits` where block-quantised
+        products run on the compiled kernels, ``None`` where none do (float weights, or dequantised per call)."""
+        return self.activation_bits if self.quantization is not None and not self.dequantizing else None
 
     @property
     def linear_path(self) -> str:

@@ -37,6 +37,15 @@ KINDS = ("q8_0", "q4_0")
 #: scale, as llama.cpp's dot products take them) or 16 (two int8 parts: within a hair of the float product, at twice
 #: the integer multiplies).
 ACTIVATION_BITS = (8, 16)
+
+
+def check_activation_bits(activation_bits: int) -> None:
+    """A ``ValueError`` naming the choices unless ``activation_bits`` is one of :data:`ACTIVATION_BITS`."""
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"unknown activation_bits {activation_bits!r}; activation bits: "
+                         f"{', '.join(map(str, ACTIVATION_BITS))}")
+
+
 #: GGUF block types :func:`decode` reads (a file's matrices in these types run as they are).
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 #: The packed layout's version: repacked weights cached under another version are repacked again.
@@ -415,8 +424,7 @@ class QuantizedLinear(Linear):
 
     def __init__(self, matrix: QuantizedMatrix | PackedMatrix, bias: torch.Tensor | None, kernels: Any,
                  min_rows: int = 1, fixed_rows: bool = False, activation_bits: int = 16) -> None:
-        if activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation_bits: one of {', '.join(map(str, ACTIVATION_BITS))}, not {activation_bits!r}")
+        check_activation_bits(activation_bits)
         if matrix.shape[1] % BLOCK_INPUTS:
             raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {matrix.shape[1]}")
         packed = matrix if isinstance(matrix, PackedMatrix) else PackedMatrix.of(matrix)

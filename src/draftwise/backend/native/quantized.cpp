@@ -13,9 +13,10 @@
 //   the bias last.
 //
 // Every operation is one float32 rounding in one fixed order per row, whatever the other rows of the call, the
-// thread count or the vector width: a row of a verification forward is bitwise its one-row product. Calls of many
-// rows of 16-bit activations on CPUs without a dot-product instruction get the same integer sums another way (quants
-// widened to int16 once per tile, see WideTile): the same integers, so the same bits.
+// thread count or the vector width: a row of a verification forward is bitwise its one-row product. The integer sums
+// are exact whichever way they are taken (byte products summed in int16 as far as int16 holds them, then widened; for
+// signed quants over many rows of 16-bit activations, quants widened to int16 once per tile, see WideTile): the same
+// integers, so the same bits.
 //
 // Packed layout, once at load: (tiles, groups, bytes) for tiles of 8 outputs and groups of 32 inputs: the 8 outputs'
 // scales as float32 (a second row of 8 for inputs 16-31 with kHalves), their offsets (with kOffsets), then the quants
@@ -42,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -52,9 +54,13 @@ namespace quantized_products {
 constexpr int64_t kTile = 8;    // outputs per tile
 constexpr int64_t kGroup = 32;  // inputs per quantisation block
 constexpr int64_t kHalf = kGroup / 2;
-constexpr int kRowsPerPass = 4;
+constexpr int kRowsPerPass = 8;
 constexpr int kWideRowsPerPass = 2;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
+
+// The inner loops' helpers, inlined whatever the compiler's size budget: one left out of line (it happened to
+// unpack_quants once the row loops grew) costs a call, a vzeroupper and the weights through memory on every group.
+#define DRAFTWISE_HOT inline __attribute__((always_inline))
 
 enum Format : int64_t {
     kNibbles = 1, kOffsets = 2, kHalves = 4, kSigned = 8, kFactored = 16, kHalfFloats = 32, kSixBits = 64
@@ -64,9 +70,9 @@ constexpr int kCentreShift = 7;  // format >> 7: the centre of unsigned quants
 enum ScaleKind : int { kFloatScales = 0, kHalfScales = 1, kFactoredScales = 2 };
 constexpr int64_t kSuperGroups = 8;  // groups in a factored super-block
 
-// (The format helpers are constexpr, hence inline: an exported function of a shared library is called through its
-// PLT, never inlined, and these run for every group of the inner loops.)
-constexpr int centre_of(int64_t format) { return static_cast<int>(format >> kCentreShift); }
+// (The format helpers run for every group of the inner loops: forced inline, since an inline function of a shared
+// library that the compiler leaves out of line is called through its PLT.)
+DRAFTWISE_HOT constexpr int centre_of(int64_t format) { return static_cast<int>(format >> kCentreShift); }
 
 constexpr bool valid_format(int64_t format) {
     if (format < 0 || centre_of(format) > 127) return false;
@@ -78,63 +84,68 @@ constexpr bool valid_format(int64_t format) {
 }
 
 // Bytes of one scale (or offset) of a group: float32, float16, or an int8 when factored.
-constexpr int64_t scale_width(int64_t format) { return format & kFactored ? 1 : format & kHalfFloats ? 2 : 4; }
+DRAFTWISE_HOT constexpr int64_t scale_width(int64_t format) { return format & kFactored ? 1 : format & kHalfFloats ? 2 : 4; }
 
 // Bytes of a group's scales (and offsets).
-constexpr int64_t small_bytes(int64_t format) {
+DRAFTWISE_HOT constexpr int64_t small_bytes(int64_t format) {
     const int64_t count = (format & kHalves ? 2 : 1) + (format & kOffsets ? 1 : 0);
     return count * kTile * scale_width(format);
 }
 
-constexpr int64_t group_bytes(int64_t format) {
+DRAFTWISE_HOT constexpr int64_t group_bytes(int64_t format) {
     return small_bytes(format) + (format & kNibbles ? kGroup * kTile / 2 : format & kSixBits ? kGroup * kTile * 3 / 4
                                                                                              : kGroup * kTile);
 }
 
 // A factored super-block's header: the float32 super scales (and super offsets) of its tile's 8 outputs.
-constexpr int64_t header_bytes(int64_t format) {
+DRAFTWISE_HOT constexpr int64_t header_bytes(int64_t format) {
     return format & kFactored ? (format & kOffsets ? 2 : 1) * kTile * static_cast<int64_t>(sizeof(float)) : 0;
 }
 
 // Bytes of a packed unit: a group, or a factored super-block.
-constexpr int64_t unit_bytes(int64_t format) {
+DRAFTWISE_HOT constexpr int64_t unit_bytes(int64_t format) {
     return format & kFactored ? header_bytes(format) + kSuperGroups * group_bytes(format) : group_bytes(format);
 }
 
-// Each row's activations quantised per group (see the notes above).
+// Each row's activations quantised per group (see the notes above), stored group by group (a group's rows side by
+// side, so a pass over several rows reads one run of memory per group).
 struct QuantizedRows {
-    int64_t groups;
-    std::vector<int8_t> quants;        // (rows, groups * 32): q
-    std::vector<int8_t> residuals;     // (rows, groups * 32): r
-    std::vector<float> scales;         // (rows, groups): d / 256
-    std::vector<float> scaled_sums;    // (rows, groups): (d / 256) * sum of a
-    std::vector<int32_t> half_sums;    // (rows, groups, 2): sums of a over inputs 0-15 and 16-31
-    std::vector<int16_t> wide;         // (rows, groups * 32): a = 256 q + r, when asked for (else empty)
+    int64_t rows, groups;
+    std::vector<int8_t> quants;        // (groups, rows, 32): q
+    std::vector<int8_t> residuals;     // (groups, rows, 32): r
+    std::vector<float> scales;         // (groups, rows): d / 256
+    std::vector<float> scaled_sums;    // (groups, rows): (d / 256) * sum of a
+    std::vector<int32_t> centre_halves;  // (groups, rows, 2): centre * sum of a over inputs 0-15 and 16-31
+    std::vector<int32_t> centre_sums;    // (groups, rows): centre * sum of a
+    std::vector<int16_t> wide;         // (groups, rows, 32): a = 256 q + r, when asked for (else empty)
     bool with_residuals;               // 16-bit activations (else every r is 0)
 
-    QuantizedRows(const float* x, int64_t x_stride, int64_t rows, int64_t groups_, bool residuals_,
+    QuantizedRows(const float* x, int64_t x_stride, int64_t rows_, int64_t groups_, bool residuals_, int centre,
                   bool with_wide = false)
-        : groups(groups_), quants(rows * groups_ * kGroup), residuals(rows * groups_ * kGroup), scales(rows * groups_),
-          scaled_sums(rows * groups_), half_sums(rows * groups_ * 2), wide(with_wide ? rows * groups_ * kGroup : 0),
-          with_residuals(residuals_) {
+        : rows(rows_), groups(groups_), quants(rows_ * groups_ * kGroup), residuals(rows_ * groups_ * kGroup),
+          scales(rows_ * groups_), scaled_sums(rows_ * groups_), centre_halves(rows_ * groups_ * 2),
+          centre_sums(rows_ * groups_), wide(with_wide ? rows_ * groups_ * kGroup : 0), with_residuals(residuals_) {
         // Rows apart on the threads once there are enough of them (a prompt's), each row's steps the same.
         const int64_t grain = std::max<int64_t>(1, kParallelValues / std::max<int64_t>(1, groups * kGroup));
         at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r) quantize_row(x + r * x_stride, r);
+            for (int64_t r = begin; r < end; ++r) quantize_row(x + r * x_stride, r, centre);
         });
     }
 
+    // Where row r's group g is kept (in units of a group's values).
+    int64_t at(int64_t r, int64_t g) const { return g * rows + r; }
+
     // Row r's groups, from its values.
-    void quantize_row(const float* row, int64_t r) {
+    void quantize_row(const float* row, int64_t r, int centre) {
         for (int64_t g = 0; g < groups; ++g) {
             const float* values = row + g * kGroup;
             float largest = 0.0f;
             for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(values[i]));
             const float d = largest / 127.0f;
             const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-            const int64_t at = r * groups + g;
-            int8_t* q = quants.data() + at * kGroup;
-            int8_t* residual = residuals.data() + at * kGroup;
+            const int64_t here = at(r, g);
+            int8_t* q = quants.data() + here * kGroup;
+            int8_t* residual = residuals.data() + here * kGroup;
             int32_t sums[2] = {0, 0};
             for (int64_t i = 0; i < kGroup; ++i) {
                 q[i] = clamped(std::nearbyint(values[i] * inverse));
@@ -144,11 +155,12 @@ struct QuantizedRows {
                 sums[i / kHalf] += 256 * q[i] + residual[i];
             }
             if (!wide.empty())
-                for (int64_t i = 0; i < kGroup; ++i) wide[at * kGroup + i] = static_cast<int16_t>(256 * q[i] + residual[i]);
-            scales[at] = d / 256.0f;
-            scaled_sums[at] = scales[at] * static_cast<float>(sums[0] + sums[1]);
-            half_sums[2 * at] = sums[0];
-            half_sums[2 * at + 1] = sums[1];
+                for (int64_t i = 0; i < kGroup; ++i) wide[here * kGroup + i] = static_cast<int16_t>(256 * q[i] + residual[i]);
+            scales[here] = d / 256.0f;
+            scaled_sums[here] = scales[here] * static_cast<float>(sums[0] + sums[1]);
+            centre_halves[2 * here] = centre * sums[0];
+            centre_halves[2 * here + 1] = centre * sums[1];
+            centre_sums[here] = centre * (sums[0] + sums[1]);
         }
     }
 
@@ -156,17 +168,17 @@ struct QuantizedRows {
 };
 
 // Where group g of a tile starts (its scales, then its quants).
-inline const uint8_t* group_start(const uint8_t* tile, int64_t g, int64_t format) {
+DRAFTWISE_HOT const uint8_t* group_start(const uint8_t* tile, int64_t g, int64_t format) {
     if (!(format & kFactored)) return tile + g * group_bytes(format);
     return tile + (g / kSuperGroups) * unit_bytes(format) + header_bytes(format) + (g % kSuperGroups) * group_bytes(format);
 }
 
 // Where group g's super-block header starts (factored formats).
-inline const float* super_floats(const uint8_t* tile, int64_t g, int64_t format) {
+DRAFTWISE_HOT const float* super_floats(const uint8_t* tile, int64_t g, int64_t format) {
     return reinterpret_cast<const float*>(tile + (g / kSuperGroups) * unit_bytes(format));
 }
 
-inline const uint8_t* group_quants(const uint8_t* source, int64_t format) { return source + small_bytes(format); }
+DRAFTWISE_HOT const uint8_t* group_quants(const uint8_t* source, int64_t format) { return source + small_bytes(format); }
 
 // Output j's scale (part 0), second-half scale (part 1, with kHalves) and offset (part 2, with kOffsets) in group g:
 // the float32 of an unfactored group, or super value * small integer (exact) of a factored one.
@@ -188,24 +200,24 @@ inline float group_float(const uint8_t* tile, int64_t g, int64_t format, int par
 // instruction with VNNI; else maddubs, whose pairs of products here stay below int16's limit, and madd).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool kDotInstruction = true;
-inline __m256i add_dot(__m256i sums, __m256i unsigned_bytes, __m256i signed_bytes) {
+DRAFTWISE_HOT __m256i add_dot(__m256i sums, __m256i unsigned_bytes, __m256i signed_bytes) {
     return _mm256_dpbusd_epi32(sums, unsigned_bytes, signed_bytes);
 }
 #elif defined(__AVXVNNI__)
 constexpr bool kDotInstruction = true;
-inline __m256i add_dot(__m256i sums, __m256i unsigned_bytes, __m256i signed_bytes) {
+DRAFTWISE_HOT __m256i add_dot(__m256i sums, __m256i unsigned_bytes, __m256i signed_bytes) {
     return _mm256_dpbusd_avx_epi32(sums, unsigned_bytes, signed_bytes);
 }
 #else
 constexpr bool kDotInstruction = false;
-inline __m256i add_dot(__m256i sums, __m256i unsigned_bytes, __m256i signed_bytes) {
+DRAFTWISE_HOT __m256i add_dot(__m256i sums, __m256i unsigned_bytes, __m256i signed_bytes) {
     return _mm256_add_epi32(
         sums, _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_bytes, signed_bytes), _mm256_set1_epi16(1)));
 }
 #endif
 
 // Inputs 4k..4k+3 of a row's 32 int8 activations in every 32-bit lane.
-inline __m256i broadcast_quad(const int8_t* values, int k) {
+DRAFTWISE_HOT __m256i broadcast_quad(const int8_t* values, int k) {
     int32_t quad;
     std::memcpy(&quad, values + 4 * k, sizeof(quad));
     return _mm256_set1_epi32(quad);
@@ -215,15 +227,14 @@ inline __m256i lane_mask(int64_t count) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// The rows [first, first + Rows) over one tile: every group's integer sums from the unpacked weights, then its value.
 // Eight int8 at ``small`` times the eight floats of ``super``, in float32 (exact for a factored layout's values).
-inline __m256 small_times(const uint8_t* small, __m256 super) {
+DRAFTWISE_HOT __m256 small_times(const uint8_t* small, __m256 super) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(small));
     return _mm256_mul_ps(super, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 }
 
 // Eight float16 at ``source`` in float32 (exact).
-inline __m256 eight_halves(const uint8_t* source) {
+DRAFTWISE_HOT __m256 eight_halves(const uint8_t* source) {
 #if defined(__F16C__)
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
 #else
@@ -241,7 +252,7 @@ constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kCacheLine = 64;
 
 // The cache lines ``bytes`` long at kPrefetchBytes past ``packed``, asked for.
-inline void prefetch_ahead(const uint8_t* packed, int64_t bytes) {
+DRAFTWISE_HOT void prefetch_ahead(const uint8_t* packed, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += kCacheLine)
         _mm_prefetch(reinterpret_cast<const char*>(packed + kPrefetchBytes + line), _MM_HINT_T0);
 }
@@ -260,7 +271,7 @@ struct GroupReader {
     GroupReader(const uint8_t* tile, int64_t format_) : source(tile), format(format_), bytes(group_bytes(format_)) {}
 
     // Group g's factors (groups are read in order); returns its packed quants.
-    const uint8_t* next(int64_t g) {
+    DRAFTWISE_HOT const uint8_t* next(int64_t g) {
         if (kFactoredLayout) {
             if (g % kSuperGroups == 0) {  // a super-block's header, then its groups
                 const float* header = reinterpret_cast<const float*>(source);
@@ -290,7 +301,7 @@ struct GroupReader {
 // A group's quants as eight vectors of bytes, vector k holding inputs 4k..4k+3 of output j at bytes 4j..4j+3
 // (unsigned, centre included; signed bytes for kSigned).
 template <bool Nibbles, bool SixBits>
-inline void unpack_quants(const uint8_t* packed, __m256i* weights) {
+DRAFTWISE_HOT void unpack_quants(const uint8_t* packed, __m256i* weights) {
     if (Nibbles || SixBits) {
         const __m256i low_nibbles = _mm256_set1_epi8(15);
         for (int k = 0; k < 4; ++k) {
@@ -313,19 +324,19 @@ inline void unpack_quants(const uint8_t* packed, __m256i* weights) {
     }
 }
 
-// A group's value for one row from its integer sums over inputs 0-15 and 16-31 (the notes' float32 steps), added to
-// the row's sum.
+// A group's value for one row from its integer sums over inputs 0-15 and 16-31 (the notes' float32 steps; ``unit``:
+// the row's d / 256 there, ``scaled_sum``: (d / 256) * sum of a), added to the row's sum.
 template <bool Offsets, bool Halves, int Scales>
-inline __m256 add_group_value(__m256 sum, const GroupReader<Offsets, Halves, Scales>& group, __m256i low_half,
-                              __m256i high_half, const QuantizedRows& a, int64_t at) {
+DRAFTWISE_HOT __m256 add_group_value(__m256 sum, const GroupReader<Offsets, Halves, Scales>& group, __m256i low_half,
+                                     __m256i high_half, float unit, float scaled_sum) {
     __m256 value;
     if (Halves)
         value = _mm256_add_ps(_mm256_mul_ps(group.scale, _mm256_cvtepi32_ps(low_half)),
                               _mm256_mul_ps(group.scale_high, _mm256_cvtepi32_ps(high_half)));
     else
         value = _mm256_mul_ps(group.scale, _mm256_cvtepi32_ps(_mm256_add_epi32(low_half, high_half)));
-    value = _mm256_mul_ps(value, _mm256_set1_ps(a.scales[at]));
-    if (Offsets) value = _mm256_add_ps(value, _mm256_mul_ps(group.offset, _mm256_set1_ps(a.scaled_sums[at])));
+    value = _mm256_mul_ps(value, _mm256_set1_ps(unit));
+    if (Offsets) value = _mm256_add_ps(value, _mm256_mul_ps(group.offset, _mm256_set1_ps(scaled_sum)));
     return _mm256_add_ps(sum, value);
 }
 
@@ -338,60 +349,96 @@ inline void store_rows(const __m256* sums, int64_t first, const float* bias, flo
         _mm256_maskstore_ps(y + (first + r) * y_stride, mask, bias != nullptr ? _mm256_add_ps(sums[r], added) : sums[r]);
 }
 
+// How many byte-product pairs (maddubs lanes) int16 holds the sum of, by the quants' range: nibbles 2 * 15 * 127 =
+// 3810 each (8 fit), six bits 2 * 63 * 127 = 16002 (2 fit), bytes 2 * 127 * 127 (1). Summing them before widening to
+// int32 leaves the same integers with fewer multiply-adds.
+template <bool Nibbles, bool SixBits>
+constexpr int kPairSums = Nibbles ? 8 : SixBits ? 2 : 1;
+
+// The int16 pair sums of quads [Begin, End) of a row's bytes at ``values`` times the weights, added as a tree (a
+// short dependency chain; integer sums in any order are the same).
+template <int Begin, int End>
+DRAFTWISE_HOT __m256i pair_sums(const __m256i* weights, const int8_t* values) {
+    if (End - Begin == 1) return _mm256_maddubs_epi16(weights[Begin], broadcast_quad(values, Begin));
+    constexpr int middle = Begin + (End - Begin) / 2;
+    return _mm256_add_epi16(pair_sums<Begin, middle>(weights, values), pair_sums<middle, End>(weights, values));
+}
+
+// The integer sum of quads [Begin, End) of one row's bytes at ``values`` times a group's weights, per output (exact).
+template <bool Nibbles, bool SixBits, bool Signed, int Begin, int End>
+DRAFTWISE_HOT __m256i quad_sums(const __m256i* weights, const __m256i* magnitudes, const int8_t* values) {
+    constexpr int per = kPairSums<Nibbles, SixBits>;
+    if constexpr (!Signed && !kDotInstruction && per > 1) {
+        constexpr int middle = Begin + per < End ? Begin + per : End;
+        const __m256i sums = _mm256_madd_epi16(pair_sums<Begin, middle>(weights, values), _mm256_set1_epi16(1));
+        if constexpr (middle == End) return sums;
+        else return _mm256_add_epi32(sums, quad_sums<Nibbles, SixBits, Signed, middle, End>(weights, magnitudes, values));
+    } else {
+        __m256i sums = _mm256_setzero_si256();
+        for (int k = Begin; k < End; ++k) {
+            if (Signed)  // |w| times the activation with w's sign
+                sums = add_dot(sums, magnitudes[k], _mm256_sign_epi8(broadcast_quad(values, k), weights[k]));
+            else
+                sums = add_dot(sums, weights[k], broadcast_quad(values, k));
+        }
+        return sums;
+    }
+}
+
+// A group's fixed-point sums 256 * (quants' sum) + (residuals' sum) - centre term over quads [Begin, End) of a row
+// (its bytes at ``quants`` and ``residuals``; ``centre_term``: the centre times its activations' sum there).
+template <bool Nibbles, bool SixBits, bool Signed, bool Residuals, int Begin, int End>
+DRAFTWISE_HOT __m256i fixed_sums(const __m256i* weights, const __m256i* magnitudes, const int8_t* quants,
+                          const int8_t* residuals, int centre, const int32_t* centre_term) {
+    __m256i total = _mm256_slli_epi32(quad_sums<Nibbles, SixBits, Signed, Begin, End>(weights, magnitudes, quants), 8);
+    if (Residuals)
+        total = _mm256_add_epi32(total, quad_sums<Nibbles, SixBits, Signed, Begin, End>(weights, magnitudes, residuals));
+    if (!Signed && centre != 0) total = _mm256_sub_epi32(total, _mm256_set1_epi32(*centre_term));
+    return total;
+}
+
+// The rows [first, first + Rows) over one tile: every group's integer sums from the unpacked weights, then its value.
 // (Residuals: the rows' activations have residuals; without, their products are zero and skipped.)
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals, int Rows>
 void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const int centre = centre_of(format);
+    // (the rows' data through plain pointers: read through the vectors, their addresses would be reloaded per row)
+    const int8_t* const quants = a.quants.data();
+    const int8_t* const residuals = a.residuals.data();
+    const float* const scales = a.scales.data();
+    const float* const scaled_sums = a.scaled_sums.data();
+    const int32_t* const centre_halves = a.centre_halves.data();
+    const int32_t* const centre_sums = a.centre_sums.data();
     __m256 sums[Rows];
     for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
     GroupReader<Offsets, Halves, Scales> group(tile, format);
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* packed = group.next(g);
-        prefetch_ahead(packed, group.bytes);
+        // (a hint where few rows leave the product waiting on memory; at many rows it only costs issue slots)
+        if (Rows < kRowsPerPass) prefetch_ahead(packed, group.bytes);
         __m256i weights[8];
         unpack_quants<Nibbles, SixBits>(packed, weights);
         __m256i magnitudes[8];
         if (Signed)
             for (int k = 0; k < 8; ++k) magnitudes[k] = _mm256_abs_epi8(weights[k]);
+        const int64_t base = a.at(first, g);  // the pass's rows are side by side from here
+#pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
-            const int64_t at = (first + r) * a.groups + g;
-            const int8_t* q = a.quants.data() + at * kGroup;
-            const int8_t* residual = a.residuals.data() + at * kGroup;
-            __m256i halves[2];
-            for (int h = 0; h < 2; ++h) {
-                __m256i high = _mm256_setzero_si256(), low = _mm256_setzero_si256();  // sums over q and over r
-                if (Nibbles && !kDotInstruction) {  // four products of at most 2 * 15 * 127 each: int16 holds their sum
-                    __m256i high_pairs = _mm256_setzero_si256(), low_pairs = _mm256_setzero_si256();
-                    for (int k = 4 * h; k < 4 * h + 4; ++k) {
-                        high_pairs = _mm256_add_epi16(high_pairs, _mm256_maddubs_epi16(weights[k], broadcast_quad(q, k)));
-                        if (Residuals)
-                            low_pairs = _mm256_add_epi16(low_pairs,
-                                                         _mm256_maddubs_epi16(weights[k], broadcast_quad(residual, k)));
-                    }
-                    high = _mm256_madd_epi16(high_pairs, ones);
-                    if (Residuals) low = _mm256_madd_epi16(low_pairs, ones);
-                } else {
-                    for (int k = 4 * h; k < 4 * h + 4; ++k) {
-                        const __m256i first = broadcast_quad(q, k);
-                        if (Signed) {  // |w| times the activation with w's sign
-                            high = add_dot(high, magnitudes[k], _mm256_sign_epi8(first, weights[k]));
-                            if (Residuals)
-                                low = add_dot(low, magnitudes[k], _mm256_sign_epi8(broadcast_quad(residual, k), weights[k]));
-                        } else {
-                            high = add_dot(high, weights[k], first);
-                            if (Residuals) low = add_dot(low, weights[k], broadcast_quad(residual, k));
-                        }
-                    }
-                }
-                __m256i total = _mm256_slli_epi32(high, 8);
-                if (Residuals) total = _mm256_add_epi32(total, low);
-                if (!Signed && centre != 0)
-                    total = _mm256_sub_epi32(total, _mm256_set1_epi32(centre * a.half_sums[2 * at + h]));
-                halves[h] = total;
+            const int64_t at = base + r;
+            const int8_t* q = quants + at * kGroup;
+            const int8_t* residual = residuals + at * kGroup;
+            if (Halves) {
+                const __m256i low = fixed_sums<Nibbles, SixBits, Signed, Residuals, 0, 4>(
+                    weights, magnitudes, q, residual, centre, centre_halves + 2 * at);
+                const __m256i high = fixed_sums<Nibbles, SixBits, Signed, Residuals, 4, 8>(
+                    weights, magnitudes, q, residual, centre, centre_halves + 2 * at + 1);
+                sums[r] = add_group_value(sums[r], group, low, high, scales[at], scaled_sums[at]);
+            } else {  // (one sum over both halves: add_group_value adds the halves' sums as integers anyway)
+                const __m256i whole = fixed_sums<Nibbles, SixBits, Signed, Residuals, 0, 8>(
+                    weights, magnitudes, q, residual, centre, centre_sums + at);
+                sums[r] = add_group_value(sums[r], group, whole, _mm256_setzero_si256(), scales[at], scaled_sums[at]);
             }
-            sums[r] = add_group_value(sums[r], group, halves[0], halves[1], a, at);
         }
     }
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
@@ -427,11 +474,12 @@ void widen_tile(const uint8_t* tile, int64_t groups, int64_t format, WideTile& w
 }
 
 // Rows from which a call of 16-bit activations widens each tile's quants (on CPUs without a dot-product
-// instruction): where widening pays for itself on a two-core Zen 3 (signed and six-bit quants: 8 rows 1.1-1.3x, 32
-// rows 1.2-1.5x; nibbles 16 rows 1.0-1.2x). 8-bit activations have half the byte products: there, on the same CPU,
-// the widened products were slower at 1-64 rows (0.4-0.9x, Q6_K and Q8_0 at 64 rows up to 1.2x), so never.
+// instruction): signed quants only, whose byte products need a sign fix-up and one multiply-add each (Q8_0 on a
+// two-core Zen 3: 16-64 rows 1.25-1.3x the byte products, 8 rows 0.97x). Nibbles and six bits sum several byte
+// products in int16 before widening, which beat the widened products at every row count measured (1.0-1.3x at 8-64
+// rows); 8-bit activations have half the byte products and never widen.
 constexpr int64_t wide_from(int64_t format) {
-    return format & (kSigned | kSixBits) ? 6 : 16;
+    return format & kSigned ? 16 : std::numeric_limits<int64_t>::max();
 }
 
 // Eight int32 lanes of outputs 0-7 from the pairwise sums of outputs 0-3 (``low``) and 4-7 (``high``), two lanes each.
@@ -449,7 +497,7 @@ void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_
         group.next(g);
         const __m256i* weights = wide.weights.data() + g * 16;
         for (int r = 0; r < Rows; ++r) {
-            const int64_t at = (first + r) * a.groups + g;
+            const int64_t at = a.at(first + r, g);
             const int16_t* values = a.wide.data() + at * kGroup;
             __m256i totals[2][2];  // (inputs 0-15 | 16-31, outputs 0-3 | 4-7)
             for (int h = 0; h < 2; ++h) totals[h][0] = totals[h][1] = _mm256_setzero_si256();
@@ -461,13 +509,13 @@ void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_
                 totals[k / 4][1] = _mm256_add_epi32(totals[k / 4][1], _mm256_madd_epi16(weights[2 * k + 1], broadcast));
             }
             sums[r] = add_group_value(sums[r], group, output_sums(totals[0][0], totals[0][1]),
-                                      output_sums(totals[1][0], totals[1][1]), a, at);
+                                      output_sums(totals[1][0], totals[1][1]), a.scales[at], a.scaled_sums[at]);
         }
     }
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
-// Every row of a call through tile_rows, kRowsPerPass at a time.
+// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest.
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
@@ -476,6 +524,11 @@ void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
         tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, kRowsPerPass>(tile, groups, format, a,
                                                                                              first, bias, y, y_stride,
                                                                                              valid);
+    if (first + 4 <= rows) {
+        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 4>(tile, groups, format, a, first, bias,
+                                                                                  y, y_stride, valid);
+        first += 4;
+    }
     switch (rows - first) {
         case 1: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
         case 2: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
@@ -541,7 +594,7 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
             float sum = 0.0f;
             for (int64_t g = 0; g < groups; ++g) {
                 const uint8_t* packed = group_quants(group_start(tile, g, format), format);
-                const int64_t at = r * a.groups + g;
+                const int64_t at = a.at(r, g);
                 const int8_t* q = a.quants.data() + at * kGroup;
                 const int8_t* residual = a.residuals.data() + at * kGroup;
                 int32_t totals[2] = {0, 0};
@@ -560,7 +613,7 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
                     }
                     totals[i / kHalf] += weight * (256 * q[i] + residual[i]);
                 }
-                for (int h = 0; h < 2; ++h) totals[h] -= centre * a.half_sums[2 * at + h];
+                for (int h = 0; h < 2; ++h) totals[h] -= a.centre_halves[2 * at + h];
                 const float scale = group_float(tile, g, format, 0, j);
                 float value = halves ? scale * static_cast<float>(totals[0]) +
                                            group_float(tile, g, format, 1, j) * static_cast<float>(totals[1])
@@ -604,7 +657,7 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     const bool wide = false;
 #endif
     const qp::QuantizedRows activations(inputs.data_ptr<float>(), inputs.stride(0), rows, groups, activation_bits == 16,
-                                        wide);
+                                        qp::centre_of(format), wide);
     const uint8_t* weights = packed.data_ptr<uint8_t>();
     const float* offsets = biased ? bias->data_ptr<float>() : nullptr;
     float* y = output.data_ptr<float>();

@@ -49,6 +49,28 @@ def test_every_types_product_is_its_integer_arithmetic(type_name, bits):
         assert torch.equal(linear(inputs[row : row + 1])[0], output[row])
 
 
+@pytest.mark.parametrize("type_name", FILE_TYPES)
+@pytest.mark.parametrize("bits", [8, 16])
+def test_products_stay_exact_at_their_largest_integer_sums(type_name, bits):
+    """Every quant at the top of its type's range (a few at the bottom, which fix the stored range) against
+    activations at +-127 and residuals at 127: the byte products the kernel sums in int16 before widening reach their
+    bound (16 x 15 x 127 for nibbles, 4 x 63 x 127 for six bits) and the product must stay its exact arithmetic, in
+    passes of 8, 4 and fewer rows alike."""
+    matrix = decode(random_blocks(type_name, 24, 512, seed=3), type_name)
+    quants = np.full_like(matrix.quants, matrix.quants.max())
+    quants[:, ::97] = matrix.quants.min()
+    extreme = QuantizedMatrix(matrix.scales, matrix.offsets, quants, matrix.halves, matrix.types, matrix.factors)
+    linear = QuantizedLinear(extreme, None, kernels, activation_bits=bits)
+    constant = torch.ones(512)
+    near_top = torch.full((512,), 126.5 / 127)  # q = 126 and r = 127 under each group's first input at 1
+    near_top[::32] = 1.0
+    inputs = torch.stack([constant, -constant, near_top, -near_top] * 3 + [constant])  # 13 rows: 8 + 4 + 1
+    output = linear(inputs)
+    assert torch.equal(output, reference_product(inputs, extreme, None, bits))
+    for row in (0, 3, 12):
+        assert torch.equal(linear(inputs[row : row + 1])[0], output[row])
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_pack_their_scales_factored_as_the_file_does(type_name):
     """A super-block's float32 scale (and offset) per output times an int8 per group: the same exact values as the

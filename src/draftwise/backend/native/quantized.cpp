@@ -43,7 +43,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -324,8 +323,9 @@ DRAFTWISE_HOT void unpack_quants(const uint8_t* packed, __m256i* weights) {
     }
 }
 
-// A group's value for one row from its integer sums over inputs 0-15 and 16-31 (the notes' float32 steps; ``unit``:
-// the row's d / 256 there, ``scaled_sum``: (d / 256) * sum of a), added to the row's sum.
+// A group's value for one row from its integer sums over inputs 0-15 and 16-31 (without kHalves, any two integers
+// whose sum is the group's: they are added first) by the notes' float32 steps (``unit``: the row's d / 256 there,
+// ``scaled_sum``: (d / 256) * sum of a), added to the row's sum.
 template <bool Offsets, bool Halves, int Scales>
 DRAFTWISE_HOT __m256 add_group_value(__m256 sum, const GroupReader<Offsets, Halves, Scales>& group, __m256i low_half,
                                      __m256i high_half, float unit, float scaled_sum) {
@@ -359,9 +359,13 @@ constexpr int kPairSums = Nibbles ? 8 : SixBits ? 2 : 1;
 // short dependency chain; integer sums in any order are the same).
 template <int Begin, int End>
 DRAFTWISE_HOT __m256i pair_sums(const __m256i* weights, const int8_t* values) {
-    if (End - Begin == 1) return _mm256_maddubs_epi16(weights[Begin], broadcast_quad(values, Begin));
-    constexpr int middle = Begin + (End - Begin) / 2;
-    return _mm256_add_epi16(pair_sums<Begin, middle>(weights, values), pair_sums<middle, End>(weights, values));
+    static_assert(End > Begin, "a tree over at least one quad");
+    if constexpr (End - Begin == 1) {
+        return _mm256_maddubs_epi16(weights[Begin], broadcast_quad(values, Begin));
+    } else {
+        constexpr int middle = Begin + (End - Begin) / 2;
+        return _mm256_add_epi16(pair_sums<Begin, middle>(weights, values), pair_sums<middle, End>(weights, values));
+    }
 }
 
 // The integer sum of quads [Begin, End) of one row's bytes at ``values`` times a group's weights, per output (exact).
@@ -444,46 +448,34 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
-// Many rows without a dot-product instruction: the tile's quants widened once to int16 with the centre taken off
-// (w - centre, exact), and each row's activations a = 256 q + r as int16, so one multiply-add (vpmaddwd) takes two
+// Many rows of 16-bit activations without a dot-product instruction, signed quants (Q8_0's range): the tile's quants
+// widened once to int16, and each row's activations a = 256 q + r as int16, so one multiply-add (vpmaddwd) takes two
 // inputs of four outputs for a row: half the multiplies of the two byte products per input of tile_rows and no sign
-// fix-up for signed quants. The integer sums are the same integers, the float32 steps the same: bitwise tile_rows.
+// fix-up. The integer sums are the same integers, the float32 steps the same: bitwise tile_rows. (Nibbles and six
+// bits sum several byte products in int16 before widening, which beat widened products at every row count measured on
+// a two-core Zen 3, 1.0-1.3x at 8-64 rows; 8-bit activations have half the byte products and never widen.)
 struct WideTile {
     std::vector<__m256i> weights;  // (groups, 8 quads, outputs 0-3 | 4-7): int16, inputs 4k..4k+3 of each output
 };
 
-template <bool Nibbles, bool SixBits, bool Signed>
-void widen_tile(const uint8_t* tile, int64_t groups, int64_t format, WideTile& wide) {
+// Rows from which a call widens (Q8_0 there: 16-64 rows 1.25-1.3x the byte products, 8 rows 0.97x).
+constexpr int64_t kWideFromRows = 16;
+
+void widen_signed_tile(const uint8_t* tile, int64_t groups, int64_t format, WideTile& wide) {
     wide.weights.resize(groups * 16);
-    const __m256i centre = _mm256_set1_epi16(static_cast<int16_t>(centre_of(format)));
     for (int64_t g = 0; g < groups; ++g) {
         __m256i weights[8];
-        unpack_quants<Nibbles, SixBits>(group_quants(group_start(tile, g, format), format), weights);
+        unpack_quants<false, false>(group_quants(group_start(tile, g, format), format), weights);
         for (int k = 0; k < 8; ++k) {
-            const __m128i first = _mm256_castsi256_si128(weights[k]), second = _mm256_extracti128_si256(weights[k], 1);
             __m256i* out = wide.weights.data() + g * 16 + 2 * k;
-            if (Signed) {
-                out[0] = _mm256_cvtepi8_epi16(first);
-                out[1] = _mm256_cvtepi8_epi16(second);
-            } else {
-                out[0] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(first), centre);
-                out[1] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(second), centre);
-            }
+            out[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(weights[k]));
+            out[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(weights[k], 1));
         }
     }
 }
 
-// Rows from which a call of 16-bit activations widens each tile's quants (on CPUs without a dot-product
-// instruction): signed quants only, whose byte products need a sign fix-up and one multiply-add each (Q8_0 on a
-// two-core Zen 3: 16-64 rows 1.25-1.3x the byte products, 8 rows 0.97x). Nibbles and six bits sum several byte
-// products in int16 before widening, which beat the widened products at every row count measured (1.0-1.3x at 8-64
-// rows); 8-bit activations have half the byte products and never widen.
-constexpr int64_t wide_from(int64_t format) {
-    return format & kSigned ? 16 : std::numeric_limits<int64_t>::max();
-}
-
 // Eight int32 lanes of outputs 0-7 from the pairwise sums of outputs 0-3 (``low``) and 4-7 (``high``), two lanes each.
-inline __m256i output_sums(__m256i low, __m256i high) {
+DRAFTWISE_HOT __m256i output_sums(__m256i low, __m256i high) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(low, high), _MM_SHUFFLE(3, 1, 2, 0));
 }
 
@@ -540,15 +532,17 @@ void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>
 void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                    int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid, WideTile& wide) {
-    int64_t first = 0;
-    if (!a.wide.empty()) {
-        widen_tile<Nibbles, SixBits, Signed>(tile, groups, format, wide);
-        for (; first + kWideRowsPerPass <= rows; first += kWideRowsPerPass)
-            wide_rows<Offsets, Halves, Scales, kWideRowsPerPass>(tile, wide, groups, format, a, first, bias, y, y_stride,
-                                                                 valid);
-        for (; first < rows; ++first)
-            wide_rows<Offsets, Halves, Scales, 1>(tile, wide, groups, format, a, first, bias, y, y_stride, valid);
-        return;
+    if constexpr (Signed) {
+        if (!a.wide.empty()) {
+            widen_signed_tile(tile, groups, format, wide);
+            int64_t first = 0;
+            for (; first + kWideRowsPerPass <= rows; first += kWideRowsPerPass)
+                wide_rows<Offsets, Halves, Scales, kWideRowsPerPass>(tile, wide, groups, format, a, first, bias, y,
+                                                                     y_stride, valid);
+            for (; first < rows; ++first)
+                wide_rows<Offsets, Halves, Scales, 1>(tile, wide, groups, format, a, first, bias, y, y_stride, valid);
+            return;
+        }
     }
     if (a.with_residuals)
         narrow_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, true>(tile, groups, format, a, rows, bias, y,
@@ -587,7 +581,6 @@ TileProduct tile_product(int64_t format) {
 // The same integer sums and float32 operations one output at a time.
 void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                           int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    const int centre = centre_of(format);
     const bool halves = format & kHalves;
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < valid; ++j) {
@@ -627,6 +620,8 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
 }
 #endif
 
+#undef DRAFTWISE_HOT
+
 }  // namespace quantized_products
 
 at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
@@ -652,7 +647,8 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
     auto output = at::empty({rows, out_features}, inputs.options());
     if (rows == 0 || groups == 0) return output.zero_();
 #if defined(__AVX2__)
-    const bool wide = !qp::kDotInstruction && activation_bits == 16 && rows >= qp::wide_from(format);
+    const bool wide = !qp::kDotInstruction && activation_bits == 16 && (format & qp::kSigned) &&
+                      rows >= qp::kWideFromRows;
 #else
     const bool wide = false;
 #endif

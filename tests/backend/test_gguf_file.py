@@ -37,8 +37,8 @@ def test_every_type_decodes_to_ggufs_values_bit_for_bit(type_name):
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("rows", [7, 20])
 def test_every_types_product_is_its_integer_arithmetic(type_name, bits, rows):
-    # (calls of many rows may take the products another way on some CPUs, one row never does: passes of 8, 4, 2 and
-    # 1 rows, and the widened products of signed quants from 16 rows)
+    # (calls of several rows may take the products another way on some CPUs, one row never does: 7 and 20 rows go
+    # through every size of pass there is, and through the widened products where a CPU has them)
     matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
     linear = QuantizedLinear(matrix, None, kernels, activation_bits=bits)
     assert linear.quantization == type_name.lower()
@@ -117,8 +117,10 @@ def test_32_input_types_keep_their_float16_scales(type_name):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_stacked_types_keep_every_value_and_every_row_alone(threads):
-    """Fused projections of different types (a Q4_K_M file's Q4_K queries and Q6_K values) share one product."""
+@pytest.mark.parametrize("bits", [8, 16])
+def test_stacked_types_keep_every_value_and_every_row_alone(threads, bits):
+    """Fused projections of different types (a Q4_K_M file's Q4_K queries and Q6_K values) share one product (with
+    Q8_0 beside Q6_K, signed quants with two scales a group)."""
 
     types = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_1")
     parts = [decode(random_blocks(name, 70, 256, seed=index), name) for index, name in enumerate(types)]
@@ -126,13 +128,13 @@ def test_stacked_types_keep_every_value_and_every_row_alone(threads):
     assert torch.equal(stacked.dequantize(), torch.cat([part.dequantize() for part in parts]))
     assert stacked.types == types
     bias = torch.randn(350)
-    linear = QuantizedLinear(stacked, bias, kernels)
+    linear = QuantizedLinear(stacked, bias, kernels, activation_bits=bits)
     inputs = torch.randn(21, 256, generator=torch.Generator().manual_seed(3))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = linear(inputs)
-        assert torch.equal(together, reference_product(inputs, stacked, bias))
+        assert torch.equal(together, reference_product(inputs, stacked, bias, bits))
         for count in (1, 2, 3, 5, 20):
             assert torch.equal(linear(inputs[:count]), together[:count])
     finally:

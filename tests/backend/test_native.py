@@ -290,13 +290,14 @@ def cpu_builds() -> list[tuple[str, list[str]]]:
 
     On x86-64 with g++: the baseline without AVX and AVX2 with FMA compiled to assembly (discarded), since an
     intrinsic of a vector unit the target lacks is refused only when code is generated, not by a syntax check; the
-    AVX-512 paths (bfloat16 products included), which no intrinsic can outrun, checked for syntax. With an aarch64
+    AVX-512 paths (bfloat16 and VNNI products included), which no intrinsic can outrun, checked for syntax. With an aarch64
     cross compiler: aarch64 checked for syntax (x86 intrinsics are undeclared there)."""
     builds = []
     if platform.machine() in ("x86_64", "AMD64") and shutil.which("g++"):
         builds += [("x86-64", ["g++", "-march=x86-64", "-S", "-o", os.devnull]),
                    ("x86-64-v3", ["g++", "-march=x86-64-v3", "-S", "-o", os.devnull]),
-                   ("x86-64-v4+avx512bf16", ["g++", "-march=x86-64-v4", "-mavx512bf16", "-fsyntax-only"])]
+                   ("x86-64-v4+avx512bf16+vnni", ["g++", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni",
+                                                  "-fsyntax-only"])]
     if shutil.which("aarch64-linux-gnu-g++"):
         builds.append(("aarch64", ["aarch64-linux-gnu-g++", "-march=armv8-a", "-fsyntax-only"]))
     return builds

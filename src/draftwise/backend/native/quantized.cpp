@@ -513,9 +513,10 @@ void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_
 // steps of tile_rows. Each output's lane has the same integer sums and the same float32 operations in the same order
 // as tile_rows's (the kernels build without contraction into fused multiply-adds): bitwise the same products. The
 // weights are read as tile_rows reads them (one tile after the other: reading two tiles side by side slowed the
-// products streaming from memory), a single row stays on tile_rows. Used for formats with two scales a group
-// (Q6_K), whose float32 steps weigh most: measured on a two-core Zen 5, Qwen2.5-1.5B Q4_K_M forwards of 8-32 rows
-// 1.14-1.18x faster with every format paired, and Q4_1's (SmolLM2) 0.86-0.95x, nibble formats' products 0.8-1.1x.
+// products streaming from memory), a single row stays on tile_rows. Only for formats with two scales a group
+// (Q6_K), whose float32 steps weigh most; measured on a two-core Zen 5, Qwen2.5-1.5B Q4_K_M forwards of 8-32 rows
+// 1.10-1.15x faster so, while pairing every format made SmolLM2's Q4_1 forwards 0.86-0.95x (nibble formats' products
+// 0.8-1.1x).
 DRAFTWISE_HOT __m512 both_halves(__m256 value) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(value)));
 }
@@ -529,41 +530,41 @@ DRAFTWISE_HOT __m512i pair_of(int32_t first, int32_t second) {
     return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(first), _mm512_set1_epi32(second));
 }
 
-// The integer sums of quads [Begin, End) of two rows (their 32 bytes each side by side at ``values``) times a group's
-// weights (in both halves), per output (exact). Signed quants: ``weights`` their magnitudes, ``negative`` where they
-// are below zero, and the activation's sign is turned there (activations lie in [-127, 127]: negating one is exact).
-template <bool Signed, int Begin, int End>
+// The integer sums of half ``Half`` of a group's quads (inputs 16 Half .. 16 Half + 15) of two rows (their 32 bytes
+// each side by side at ``values``) times the group's weights (in both halves of each vector), per output (exact).
+// Signed quants: ``weights`` their magnitudes, ``negative`` where they are below zero, and the activation's sign is
+// turned there (activations lie in [-127, 127]: negating one is exact).
+template <bool Signed, int Half>
 DRAFTWISE_HOT __m512i paired_quad_sums(const __m512i* weights, const __mmask64* negative, const int8_t* values) {
-    static_assert(End - Begin == 4 || (Begin == 0 && End == 8), "quads by halves of a group, or all of them");
-    const __m512i rows = _mm512_loadu_si512(values);  // (row one's 32 bytes, then row two's)
+    const __m512i pair_bytes = _mm512_loadu_si512(values);  // (row one's 32 bytes, then row two's)
+    // 128-bit lanes: row one's quads 4 Half .. 4 Half + 3 twice, then row two's twice
+    const __m512i lanes = Half == 0 ? _mm512_shuffle_i32x4(pair_bytes, pair_bytes, _MM_SHUFFLE(2, 2, 0, 0))
+                                    : _mm512_shuffle_i32x4(pair_bytes, pair_bytes, _MM_SHUFFLE(3, 3, 1, 1));
     __m512i sums = _mm512_setzero_si512();
-    for (int half = Begin / 4; half < End / 4; ++half) {
-        // 128-bit lanes: row one's quads 4h..4h+3 twice, then row two's twice
-        const __m512i lanes = half == 0 ? _mm512_shuffle_i32x4(rows, rows, _MM_SHUFFLE(2, 2, 0, 0))
-                                        : _mm512_shuffle_i32x4(rows, rows, _MM_SHUFFLE(3, 3, 1, 1));
-        for (int k = 4 * half; k < 4 * half + 4; ++k) {
-            __m512i quads;
-            switch (k % 4) {  // (the shuffle's control must be a constant)
-                case 0: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0x00)); break;
-                case 1: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0x55)); break;
-                case 2: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0xAA)); break;
-                default: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0xFF)); break;
-            }
-            if (Signed) quads = _mm512_mask_sub_epi8(quads, negative[k], _mm512_setzero_si512(), quads);
-            sums = _mm512_dpbusd_epi32(sums, weights[k], quads);
+    for (int k = 4 * Half; k < 4 * Half + 4; ++k) {
+        __m512i quads;
+        switch (k % 4) {  // (the shuffle's control must be a constant)
+            case 0: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0x00)); break;
+            case 1: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0x55)); break;
+            case 2: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0xAA)); break;
+            default: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0xFF)); break;
         }
+        if constexpr (Signed) quads = _mm512_mask_sub_epi8(quads, negative[k], _mm512_setzero_si512(), quads);
+        sums = _mm512_dpbusd_epi32(sums, weights[k], quads);
     }
     return sums;
 }
 
-// fixed_sums of two rows (``centre_terms``: each row's centre term, ``stride`` apart).
-template <bool Signed, bool Residuals, int Begin, int End>
+// fixed_sums of half ``Half`` of a group for two rows (``centre_terms``: the first row's centre terms of both halves,
+// the second row's after them).
+template <bool Signed, bool Residuals, int Half>
 DRAFTWISE_HOT __m512i paired_fixed_sums(const __m512i* weights, const __mmask64* negative, const int8_t* quants,
-                                        const int8_t* residuals, int centre, const int32_t* centre_terms,
-                                        int64_t stride) {
-    __m512i total = _mm512_slli_epi32(paired_quad_sums<Signed, Begin, End>(weights, negative, quants), 8);
-    if (Residuals) total = _mm512_add_epi32(total, paired_quad_sums<Signed, Begin, End>(weights, negative, residuals));
-    if (!Signed && centre != 0) total = _mm512_sub_epi32(total, pair_of(centre_terms[0], centre_terms[stride]));
+                                        const int8_t* residuals, int centre, const int32_t* centre_terms) {
+    // (named first: without optimisation the shift is a macro, whose arguments a template's comma would split)
+    const __m512i quant_sums = paired_quad_sums<Signed, Half>(weights, negative, quants);
+    __m512i total = _mm512_slli_epi32(quant_sums, 8);
+    if (Residuals) total = _mm512_add_epi32(total, paired_quad_sums<Signed, Half>(weights, negative, residuals));
+    if (!Signed && centre != 0) total = _mm512_sub_epi32(total, pair_of(centre_terms[Half], centre_terms[2 + Half]));
     return total;
 }
 
@@ -571,34 +572,35 @@ DRAFTWISE_HOT __m512i paired_fixed_sums(const __m512i* weights, const __mmask64*
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals, int Pairs>
 void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t first,
                       const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    static_assert(Halves, "pairs for formats with two scales a group only (see above)");
     const int centre = centre_of(format);
     const int8_t* const quants = a.quants.data();
     const int8_t* const residuals = a.residuals.data();
     const float* const scales = a.scales.data();
     const float* const scaled_sums = a.scaled_sums.data();
     const int32_t* const centre_halves = a.centre_halves.data();
-    const int32_t* const centre_sums = a.centre_sums.data();
     __m512 sums[Pairs];
     for (int p = 0; p < Pairs; ++p) sums[p] = _mm512_setzero_ps();
     GroupReader<Offsets, Halves, Scales> group(tile, format);
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* packed = group.next(g);
+        // (on every pass, unlike tile_rows: with half the instructions a row, 8-row passes wait on memory too; Qwen
+        // forwards of 8-16 rows measured 2-5 % faster so on a Zen 5)
         prefetch_ahead(packed, group.bytes);
         __m512i weights[8];
-        __mmask64 negative[8];
+        __mmask64 negative[8] = {};  // (signed quants only)
         {
             __m256i unpacked[8];
             unpack_quants<Nibbles, SixBits>(packed, unpacked);
             for (int k = 0; k < 8; ++k) {
                 weights[k] = _mm512_broadcast_i64x4(unpacked[k]);
-                if (Signed) {
+                if constexpr (Signed) {
                     negative[k] = _mm512_movepi8_mask(weights[k]);
                     weights[k] = _mm512_abs_epi8(weights[k]);
                 }
             }
         }
-        const __m512 scale = both_halves(group.scale);
-        const __m512 scale_high = Halves ? both_halves(group.scale_high) : _mm512_setzero_ps();
+        const __m512 scale = both_halves(group.scale), scale_high = both_halves(group.scale_high);
         const __m512 offset = Offsets ? both_halves(group.offset) : _mm512_setzero_ps();
         const int64_t base = a.at(first, g);
 #pragma GCC unroll 8
@@ -606,30 +608,24 @@ void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const
             const int64_t at = base + 2 * p;  // (the pair's second row at at + 1)
             const int8_t* q = quants + at * kGroup;
             const int8_t* residual = residuals + at * kGroup;
-            __m512 value;  // add_group_value's steps
-            if (Halves) {
-                const __m512i low = paired_fixed_sums<Signed, Residuals, 0, 4>(weights, negative, q, residual, centre,
-                                                                               centre_halves + 2 * at, 2);
-                const __m512i high = paired_fixed_sums<Signed, Residuals, 4, 8>(weights, negative, q, residual, centre,
-                                                                                centre_halves + 2 * at + 1, 2);
-                value = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)),
-                                      _mm512_mul_ps(scale_high, _mm512_cvtepi32_ps(high)));
-            } else {
-                const __m512i whole = paired_fixed_sums<Signed, Residuals, 0, 8>(weights, negative, q, residual, centre,
-                                                                                 centre_sums + at, 1);
-                value = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(whole));
-            }
+            // add_group_value's steps
+            const __m512i low = paired_fixed_sums<Signed, Residuals, 0>(weights, negative, q, residual, centre,
+                                                                        centre_halves + 2 * at);
+            const __m512i high = paired_fixed_sums<Signed, Residuals, 1>(weights, negative, q, residual, centre,
+                                                                         centre_halves + 2 * at);
+            __m512 value = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)),
+                                         _mm512_mul_ps(scale_high, _mm512_cvtepi32_ps(high)));
             value = _mm512_mul_ps(value, pair_of(scales[at], scales[at + 1]));
             if (Offsets) value = _mm512_add_ps(value, _mm512_mul_ps(offset, pair_of(scaled_sums[at], scaled_sums[at + 1])));
             sums[p] = _mm512_add_ps(sums[p], value);
         }
     }
-    __m256 rows[2 * Pairs];
+    __m256 row_sums[2 * Pairs];
     for (int p = 0; p < Pairs; ++p) {
-        rows[2 * p] = _mm512_castps512_ps256(sums[p]);
-        rows[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums[p]), 1));
+        row_sums[2 * p] = _mm512_castps512_ps256(sums[p]);
+        row_sums[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums[p]), 1));
     }
-    store_rows<2 * Pairs>(rows, first, bias, y, y_stride, valid);
+    store_rows<2 * Pairs>(row_sums, first, bias, y, y_stride, valid);
 }
 
 // Every row of a call through paired_tile_rows: kRowsPerPass at a time, then four, then two, a last one alone.
@@ -658,8 +654,8 @@ void paired_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
 }
 #endif
 
-// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (paired_rows for formats
-// with two scales a group, where there is one).
+// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (through paired_rows for
+// formats with two scales a group on CPUs with AVX-512 and VNNI).
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {

@@ -166,6 +166,21 @@ struct QuantizedRows {
     static int8_t clamped(float rounded) { return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded))); }
 };
 
+// A call's activations through plain pointers for the inner loops: read through QuantizedRows' vectors, their
+// addresses would be reloaded for every row (the output stores might alias them, as far as the compiler knows).
+struct RowData {
+    const int8_t* quants;
+    const int8_t* residuals;
+    const float* scales;
+    const float* scaled_sums;
+    const int32_t* centre_halves;
+    const int32_t* centre_sums;
+
+    explicit RowData(const QuantizedRows& a)
+        : quants(a.quants.data()), residuals(a.residuals.data()), scales(a.scales.data()),
+          scaled_sums(a.scaled_sums.data()), centre_halves(a.centre_halves.data()), centre_sums(a.centre_sums.data()) {}
+};
+
 // Where group g of a tile starts (its scales, then its quants).
 DRAFTWISE_HOT const uint8_t* group_start(const uint8_t* tile, int64_t g, int64_t format) {
     if (!(format & kFactored)) return tile + g * group_bytes(format);
@@ -407,13 +422,7 @@ template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, in
 void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a,
                int64_t first, const float* bias, float* y, int64_t y_stride, int64_t valid) {
     const int centre = centre_of(format);
-    // (the rows' data through plain pointers: read through the vectors, their addresses would be reloaded per row)
-    const int8_t* const quants = a.quants.data();
-    const int8_t* const residuals = a.residuals.data();
-    const float* const scales = a.scales.data();
-    const float* const scaled_sums = a.scaled_sums.data();
-    const int32_t* const centre_halves = a.centre_halves.data();
-    const int32_t* const centre_sums = a.centre_sums.data();
+    const RowData data(a);
     __m256 sums[Rows];
     for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
     GroupReader<Offsets, Halves, Scales> group(tile, format);
@@ -430,18 +439,19 @@ void tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quanti
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
             const int64_t at = base + r;
-            const int8_t* q = quants + at * kGroup;
-            const int8_t* residual = residuals + at * kGroup;
+            const int8_t* q = data.quants + at * kGroup;
+            const int8_t* residual = data.residuals + at * kGroup;
             if (Halves) {
                 const __m256i low = fixed_sums<Nibbles, SixBits, Signed, Residuals, 0, 4>(
-                    weights, magnitudes, q, residual, centre, centre_halves + 2 * at);
+                    weights, magnitudes, q, residual, centre, data.centre_halves + 2 * at);
                 const __m256i high = fixed_sums<Nibbles, SixBits, Signed, Residuals, 4, 8>(
-                    weights, magnitudes, q, residual, centre, centre_halves + 2 * at + 1);
-                sums[r] = add_group_value(sums[r], group, low, high, scales[at], scaled_sums[at]);
+                    weights, magnitudes, q, residual, centre, data.centre_halves + 2 * at + 1);
+                sums[r] = add_group_value(sums[r], group, low, high, data.scales[at], data.scaled_sums[at]);
             } else {  // (one sum over both halves: add_group_value adds the halves' sums as integers anyway)
                 const __m256i whole = fixed_sums<Nibbles, SixBits, Signed, Residuals, 0, 8>(
-                    weights, magnitudes, q, residual, centre, centre_sums + at);
-                sums[r] = add_group_value(sums[r], group, whole, _mm256_setzero_si256(), scales[at], scaled_sums[at]);
+                    weights, magnitudes, q, residual, centre, data.centre_sums + at);
+                sums[r] = add_group_value(sums[r], group, whole, _mm256_setzero_si256(), data.scales[at],
+                                          data.scaled_sums[at]);
             }
         }
     }
@@ -574,11 +584,7 @@ void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const
                       const float* bias, float* y, int64_t y_stride, int64_t valid) {
     static_assert(Halves, "pairs for formats with two scales a group only (see above)");
     const int centre = centre_of(format);
-    const int8_t* const quants = a.quants.data();
-    const int8_t* const residuals = a.residuals.data();
-    const float* const scales = a.scales.data();
-    const float* const scaled_sums = a.scaled_sums.data();
-    const int32_t* const centre_halves = a.centre_halves.data();
+    const RowData data(a);
     __m512 sums[Pairs];
     for (int p = 0; p < Pairs; ++p) sums[p] = _mm512_setzero_ps();
     GroupReader<Offsets, Halves, Scales> group(tile, format);
@@ -606,17 +612,18 @@ void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const
 #pragma GCC unroll 8
         for (int p = 0; p < Pairs; ++p) {
             const int64_t at = base + 2 * p;  // (the pair's second row at at + 1)
-            const int8_t* q = quants + at * kGroup;
-            const int8_t* residual = residuals + at * kGroup;
+            const int8_t* q = data.quants + at * kGroup;
+            const int8_t* residual = data.residuals + at * kGroup;
             // add_group_value's steps
             const __m512i low = paired_fixed_sums<Signed, Residuals, 0>(weights, negative, q, residual, centre,
-                                                                        centre_halves + 2 * at);
+                                                                        data.centre_halves + 2 * at);
             const __m512i high = paired_fixed_sums<Signed, Residuals, 1>(weights, negative, q, residual, centre,
-                                                                         centre_halves + 2 * at);
+                                                                         data.centre_halves + 2 * at);
             __m512 value = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)),
                                          _mm512_mul_ps(scale_high, _mm512_cvtepi32_ps(high)));
-            value = _mm512_mul_ps(value, pair_of(scales[at], scales[at + 1]));
-            if (Offsets) value = _mm512_add_ps(value, _mm512_mul_ps(offset, pair_of(scaled_sums[at], scaled_sums[at + 1])));
+            value = _mm512_mul_ps(value, pair_of(data.scales[at], data.scales[at + 1]));
+            if (Offsets)
+                value = _mm512_add_ps(value, _mm512_mul_ps(offset, pair_of(data.scaled_sums[at], data.scaled_sums[at + 1])));
             sums[p] = _mm512_add_ps(sums[p], value);
         }
     }

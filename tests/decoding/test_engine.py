@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from tiny import OracleChainDrafter, planned, repetitive_prompt
+from tiny import FixedCosts, OracleChainDrafter, planned, repetitive_prompt
 
 import draftwise
 from draftwise.decoding.drafter import Drafter, NoDrafter
@@ -148,13 +148,6 @@ class UnderratedOracle(OracleChainDrafter):
 
     def observe(self, outcome):
         self.outcomes.append(outcome)
-
-
-class FixedCosts(LatencyModel):
-    """Forward costs from the prior alone: measured forwards change nothing."""
-
-    def record(self, rows, seconds, sequences=1, tree=False):
-        pass
 
 
 def test_drafts_the_cost_rule_drops_are_still_verified_now_and_then(tiny_llama):

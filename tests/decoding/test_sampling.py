@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from distributions import assert_same_distribution, check_speculative_sampling, chi_square, random_distribution
-from tiny import make_tiny_model
+from tiny import FixedCosts, make_tiny_model
 
 import draftwise
 from draftwise.decoding.drafter import Drafter
@@ -382,11 +382,14 @@ def test_speculative_sampling_matches_plain_distribution(small_model, options, m
 
 
 def test_sampling_statistics_and_reproducibility(small_model):
+    # (every row priced alike: with costs measured on the running machine, a slow first forward could price the
+    # random drafts out before any was accepted)
     drafter = RandomPointMassDrafter(seed=1)
-    one = draftwise.generate(small_model, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30, temperature=0.8, seed=11)
+    one = draftwise.generate(small_model, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=30, temperature=0.8,
+                             seed=11, latency=FixedCosts(prior={1: 1.0, 64: 1.0}))
     two = draftwise.generate(
         small_model, None, prompt_ids=PROMPT, method=RandomPointMassDrafter(seed=1), max_new_tokens=30,
-        temperature=0.8, seed=11,
+        temperature=0.8, seed=11, latency=FixedCosts(prior={1: 1.0, 64: 1.0}),
     )
     assert one.token_ids == two.token_ids
     assert one.stats.accepted_tokens > 0 and one.stats.mean_accepted_tokens > 1

@@ -51,6 +51,32 @@ def test_is_its_integer_arithmetic_and_close_to_the_float_product(kind, out_feat
     assert relative_error(output, exact) < PRODUCT_TOLERANCE[bits]
 
 
+def awkward_rows(in_features: int) -> torch.Tensor:
+    """Rows whose groups test the activations' quantisation at its edges: a group of zeros, groups whose scaled
+    values fall on rounding ties, subnormal and huge magnitudes, one value far above the rest, negative zeros."""
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(8, in_features, generator=generator)
+    groups = base.view(8, -1, 32)
+    groups[0] = 0.0
+    groups[1] = torch.arange(-16, 16, dtype=torch.float32) + 0.5
+    groups[1, :, 0] = 127.0  # d = 1 exactly: every other value falls on a rounding tie (x.5)
+    groups[2] *= 1e-39  # subnormal
+    groups[3] *= 1e30
+    groups[4, :, 7] = 1e6  # one outlier: the rest quantise to 0 and live in their residuals
+    groups[5] = -0.0
+    groups[6, :, ::2] = 0.5 * groups[6, :, 1::2]
+    return base
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("bits", [8, 16])
+def test_activation_quantisation_at_its_edges_is_the_reference(kind, bits):
+    blocks = quantize(matrix(40, 96), kind)
+    linear = QuantizedLinear(decode(blocks, kind), None, kernels, activation_bits=bits)
+    inputs = awkward_rows(96)
+    assert torch.equal(linear(inputs), reference_product(inputs, decode(blocks, kind), None, bits))
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits", [8, 16])

@@ -138,29 +138,94 @@ struct QuantizedRows {
     void quantize_row(const float* row, int64_t r, int centre) {
         for (int64_t g = 0; g < groups; ++g) {
             const float* values = row + g * kGroup;
-            float largest = 0.0f;
-            for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(values[i]));
-            const float d = largest / 127.0f;
-            const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
             const int64_t here = at(r, g);
-            int8_t* q = quants.data() + here * kGroup;
-            int8_t* residual = residuals.data() + here * kGroup;
-            int32_t sums[2] = {0, 0};
-            for (int64_t i = 0; i < kGroup; ++i) {
-                q[i] = clamped(std::nearbyint(values[i] * inverse));
-                residual[i] = with_residuals ? clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) *
-                                                                      (inverse * 256.0f)))
-                                             : 0;
-                sums[i / kHalf] += 256 * q[i] + residual[i];
-            }
-            if (!wide.empty())
-                for (int64_t i = 0; i < kGroup; ++i) wide[here * kGroup + i] = static_cast<int16_t>(256 * q[i] + residual[i]);
+            int32_t sums[2];
+            const float d = quantize_group(values, quants.data() + here * kGroup, residuals.data() + here * kGroup,
+                                           wide.empty() ? nullptr : wide.data() + here * kGroup, sums);
             scales[here] = d / 256.0f;
             scaled_sums[here] = scales[here] * static_cast<float>(sums[0] + sums[1]);
             centre_halves[2 * here] = centre * sums[0];
             centre_halves[2 * here + 1] = centre * sums[1];
             centre_sums[here] = centre * (sums[0] + sums[1]);
         }
+    }
+
+    // One group's 32 values: its q and r (and a = 256 q + r into ``wide`` unless null), the sums of a over inputs
+    // 0-15 and 16-31 into ``sums``; returns d.
+    float quantize_group(const float* values, int8_t* q, int8_t* residual, int16_t* wide_values,
+                         int32_t* sums) const {
+#if defined(__AVX2__)
+        // Eight lanes at a time, each lane the scalar steps below: the same float32 operations (no contraction,
+        // rounding to nearest even, the clamp's max and min taking the bound where the value is NaN, as std::max
+        // and std::min do here), and a largest |x| that skips NaN as std::max does, in any order (a maximum of
+        // values that are never negative zero nor NaN is the same in every order).
+        const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 x[4], largest8 = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+            x[k] = _mm256_loadu_ps(values + 8 * k);
+            largest8 = _mm256_max_ps(_mm256_and_ps(x[k], magnitude_mask), largest8);  // (NaN lanes keep largest8)
+        }
+        __m128 largest4 = _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
+        largest4 = _mm_max_ps(largest4, _mm_movehl_ps(largest4, largest4));
+        largest4 = _mm_max_ss(largest4, _mm_shuffle_ps(largest4, largest4, 1));
+        const float largest = _mm_cvtss_f32(largest4);
+        const float d = largest / 127.0f;
+        const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+        const auto clamped_round = [&](__m256 value) {
+            const __m256 rounded = _mm256_round_ps(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            return _mm256_min_ps(_mm256_max_ps(rounded, low), high);  // (NaN: max gives -127)
+        };
+        __m256i a[4];
+        __m256i q32[4], r32[4];
+        for (int k = 0; k < 4; ++k) {
+            const __m256 quant = clamped_round(_mm256_mul_ps(x[k], _mm256_set1_ps(inverse)));
+            q32[k] = _mm256_cvttps_epi32(quant);
+            if (with_residuals) {
+                const __m256 left = _mm256_sub_ps(x[k], _mm256_mul_ps(_mm256_set1_ps(d), quant));
+                r32[k] = _mm256_cvttps_epi32(clamped_round(_mm256_mul_ps(left, _mm256_set1_ps(inverse * 256.0f))));
+            } else {
+                r32[k] = _mm256_setzero_si256();
+            }
+            a[k] = _mm256_add_epi32(_mm256_slli_epi32(q32[k], 8), r32[k]);
+        }
+        // int32 lanes to bytes in input order (the packs interleave 128-bit halves; the permute puts them back).
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const auto bytes_of = [&](const __m256i* lanes) {
+            const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]),
+                                                     _mm256_packs_epi32(lanes[2], lanes[3]));
+            return _mm256_permutevar8x32_epi32(words, order);
+        };
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes_of(q32));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual), bytes_of(r32));
+        if (wide_values != nullptr)
+            for (int k = 0; k < 2; ++k)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide_values + 16 * k),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(a[2 * k], a[2 * k + 1]), 0xd8));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i both = _mm256_add_epi32(a[2 * h], a[2 * h + 1]);
+            __m128i four = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+            four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4e));
+            four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0xb1));
+            sums[h] = _mm_cvtsi128_si32(four);
+        }
+        return d;
+#else
+        float largest = 0.0f;
+        for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(values[i]));
+        const float d = largest / 127.0f;
+        const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        sums[0] = sums[1] = 0;
+        for (int64_t i = 0; i < kGroup; ++i) {
+            q[i] = clamped(std::nearbyint(values[i] * inverse));
+            residual[i] = with_residuals ? clamped(std::nearbyint((values[i] - d * static_cast<float>(q[i])) *
+                                                                  (inverse * 256.0f)))
+                                         : 0;
+            sums[i / kHalf] += 256 * q[i] + residual[i];
+            if (wide_values != nullptr) wide_values[i] = static_cast<int16_t>(256 * q[i] + residual[i]);
+        }
+        return d;
+#endif
     }
 
     static int8_t clamped(float rounded) { return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded))); }

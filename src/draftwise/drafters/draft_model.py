@@ -473,7 +473,8 @@ def _head_option(head: DraftHead | None) -> dict[str, Any]:
 def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str | None = None,
                weights: str | None = None) -> Target:
     """Load draft model ``name`` (``"self"``: the target's source) on ``target``'s device, with ``weights`` (``None``:
-    the kind ``target`` was loaded with; float weights in the target's dtype), refusing one whose vocabulary differs."""
+    the kind ``target`` was loaded with; float weights in the target's dtype; quantised ones take activations at the
+    target's ``activation_bits``), refusing one whose vocabulary differs."""
     if name == "self":
         if target.source is None:
             raise UnsupportedModelError("draft:model=self loads the target's model again: give a target loaded by "
@@ -482,14 +483,18 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
         if (weights in KINDS and isinstance(target, LeanTarget) and target.weights is None
                 and target.dtype == torch.float32):
             # The target's own float32 tensors, quantised: no second load, no second float copy.
-            draft = make_target(target.model, backend="lean", calibrate=False, weights=weights)
+            draft = make_target(target.model, backend="lean", calibrate=False, weights=weights,
+                                activation_bits=getattr(target, "activation_bits", 16))
             draft.tokenizer, draft.source, draft.weights = target.tokenizer, target.source, weights
             return draft
         name = target.source
     kind = (target.weights or "float") if weights is None else weights
     dtype = target.dtype if kind == "float" else "auto"
+    # A quantised draft takes its activations at the target's precision: at 8 bits its steps cost about two thirds
+    # of 16 bits' (a 16-bit draft under an 8-bit target was slower than plain decoding).
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
-                                  calibrate=False, progress=True, weights=kind)
+                                  calibrate=False, progress=True, weights=kind,
+                                  activation_bits=getattr(target, "activation_bits", 16))
     if kind in KINDS:
         release_float_matrices(draft)
     check_same_vocabulary(target, draft, tokenizer, name)

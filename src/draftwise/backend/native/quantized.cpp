@@ -724,10 +724,97 @@ void paired_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
         tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, first, bias,
                                                                                   y, y_stride, valid);
 }
+
+// Quad pairs, for formats with one scale a group and unsigned quants (the nibble formats: Q4_0, Q4_1, Q4_K, Q5_*):
+// each 512-bit vector holds two quads of a tile's 8 outputs (output j's quad k in lane 2j, quad k + 1 in lane
+// 2j + 1), so that one 64-bit broadcast of a row's eight activations k..k+1 feeds one vpdpbusd for both: a row
+// takes half the dot-product instructions and half the broadcasts of tile_rows. After a group's quads the lane
+// pairs are added (output j's integer sum, exactly the integer tile_rows takes) and the float32 steps are
+// tile_rows's own, on eight lanes: bitwise the same products. The weights are interleaved once per group and pass,
+// for all the pass's rows. Measured on a two-core Zen 5, Q4_0 products of 8-16 rows with 16-bit activations
+// 1.2-1.3x faster (1536 x 1536 and 8960 x 1536), 8-bit ones and fewer rows about the same: the float32 steps, eight
+// outputs a vector, now weigh as much as the dot products.
+constexpr int64_t kQuadPairsFromRows = 4;
+
+DRAFTWISE_HOT __m512i interleave_quads(__m256i even, __m256i odd) {
+    const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    return _mm512_permutex2var_epi32(_mm512_castsi256_si512(even), order, _mm512_castsi256_si512(odd));
+}
+
+// A row's integer sums over a group's four quad pairs (its 32 bytes at ``values``), per lane.
+DRAFTWISE_HOT __m512i quad_pair_sums(const __m512i* pairs, const int8_t* values) {
+    __m512i sums = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+        int64_t eight;
+        std::memcpy(&eight, values + 8 * p, sizeof(eight));
+        sums = _mm512_dpbusd_epi32(sums, pairs[p], _mm512_set1_epi64(eight));
+    }
+    return sums;
+}
+
+// Output j's sum from lanes 2j and 2j + 1.
+DRAFTWISE_HOT __m256i add_lane_pairs(__m512i sums) {
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_CDAB)));
+}
+
+template <bool Nibbles, bool SixBits, bool Offsets, int Scales, bool Residuals, int Rows>
+void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t first,
+                         const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    const int centre = centre_of(format);
+    const RowData data(a);
+    __m256 sums[Rows];
+    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
+    GroupReader<Offsets, false, Scales> group(tile, format);
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* packed = group.next(g);
+        if (Rows < kRowsPerPass) prefetch_ahead(packed, group.bytes);
+        __m512i pairs[4];
+        {
+            __m256i weights[8];
+            unpack_quants<Nibbles, SixBits>(packed, weights);
+            for (int p = 0; p < 4; ++p) pairs[p] = interleave_quads(weights[2 * p], weights[2 * p + 1]);
+        }
+        const int64_t base = a.at(first, g);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+            const int64_t at = base + r;
+            // fixed_sums' integers: 256 * (quants' sum) + (residuals' sum) - centre term
+            const __m512i quant_sums = quad_pair_sums(pairs, data.quants + at * kGroup);
+            __m512i lanes = _mm512_slli_epi32(quant_sums, 8);
+            if (Residuals) lanes = _mm512_add_epi32(lanes, quad_pair_sums(pairs, data.residuals + at * kGroup));
+            __m256i whole = add_lane_pairs(lanes);
+            if (centre != 0) whole = _mm256_sub_epi32(whole, _mm256_set1_epi32(data.centre_sums[at]));
+            sums[r] = add_group_value(sums[r], group, whole, _mm256_setzero_si256(), data.scales[at],
+                                      data.scaled_sums[at]);
+        }
+    }
+    store_rows<Rows>(sums, first, bias, y, y_stride, valid);
+}
+
+template <bool Nibbles, bool SixBits, bool Offsets, int Scales, bool Residuals>
+void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
+                    const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    int64_t first = 0;
+    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
+        quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, kRowsPerPass>(tile, groups, format, a, first,
+                                                                                       bias, y, y_stride, valid);
+    if (first + 4 <= rows) {
+        quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 4>(tile, groups, format, a, first, bias, y,
+                                                                            y_stride, valid);
+        first += 4;
+    }
+    switch (rows - first) {
+        case 1: quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 2: quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 3: quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        default: break;
+    }
+}
 #endif
 
-// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (through paired_rows for
-// formats with two scales a group on CPUs with AVX-512 and VNNI).
+// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (on CPUs with AVX-512 and
+// VNNI through paired_rows for formats with two scales a group, and from four rows through quad_pair_rows for those
+// with one scale and unsigned quants).
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
@@ -737,6 +824,12 @@ void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
         paired_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
                                                                                  y_stride, valid);
         return;
+    } else if constexpr (!Signed) {
+        if (rows >= kQuadPairsFromRows) {
+            quad_pair_rows<Nibbles, SixBits, Offsets, Scales, Residuals>(tile, groups, format, a, rows, bias, y, y_stride,
+                                                                        valid);
+            return;
+        }
     }
 #endif
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass)

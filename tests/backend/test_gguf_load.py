@@ -153,7 +153,7 @@ def test_a_7b_file_loads_in_5_gb_and_decodes(tmp_path, shape, type_name):
                          ids=["llama-tied-q4_1", "qwen2-q4_k-q6_k-head"])
 def test_a_file_runs_dequantized_where_the_kernels_do_not(tmp_path, device, shape, type_name):
     """The correct path for a GGUF file's blocks off the compiled CPU kernels (CUDA devices; the fixed step shape):
-    the blocks kept on the device and dequantised per call, bitwise the forward of the float model transformers
+    the blocks dequantised on the device per call (or once, on a GPU with room), bitwise the forward of the float model transformers
     de-quantises from the same file (the same float32 weights in the same products), and drafting exact."""
     from draftwise.backend.forward.graphed import GraphedLeanTarget
     from draftwise.backend.weights.quantized import DequantizedLinear
@@ -172,6 +172,8 @@ def test_a_file_runs_dequantized_where_the_kernels_do_not(tmp_path, device, shap
         tokenizer = None
     assert target.dequantizing and target.device.type == device
     assert all(isinstance(product, DequantizedLinear) for product in target.products)
+    # (a GPU with room keeps the float32 weights from the load on; a CPU the blocks)
+    assert all((product.kept is not None) == (device == "cuda") for product in target.products)
     assert target.linear_path.startswith("dequantized-") and type_name.lower() in target.quantization
     assert target.model.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
 

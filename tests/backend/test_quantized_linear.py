@@ -51,6 +51,22 @@ def test_is_its_integer_arithmetic_and_close_to_the_float_product(kind, out_feat
     assert relative_error(output, exact) < PRODUCT_TOLERANCE[bits]
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("fixed_rows", [False, True])
+def test_weights_dequantised_once_are_the_per_call_product(kind, fixed_rows):
+    from draftwise.backend.weights.quantized import DequantizedLinear, fits_dequantized
+
+    blocks = decode(quantize(matrix(48, 96), kind), kind)
+    bias = torch.randn(48)
+    per_call = DequantizedLinear(blocks, bias, "cpu", min_rows=4, fixed_rows=fixed_rows)
+    kept = DequantizedLinear(blocks, bias, "cpu", min_rows=4, fixed_rows=fixed_rows, keep_dequantized=True)
+    assert per_call.kept is None and kept.rows is None and kept.weight.dtype == torch.float32
+    for count in (1, 3, 9):
+        inputs = rows(count, 96)
+        assert torch.equal(kept(inputs), per_call(inputs))
+    assert not fits_dequantized((48, 96), "cpu")  # (the CPU kernels read blocks: nothing to keep there)
+
+
 def awkward_rows(in_features: int) -> torch.Tensor:
     """Rows whose groups test the activations' quantisation at its edges: a group of zeros, groups whose scaled
     values fall on rounding ties, subnormal and huge magnitudes, one value far above the rest, negative zeros."""

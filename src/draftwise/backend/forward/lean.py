@@ -35,7 +35,8 @@ from ..target import ForwardOutput, Target, last_rows_only
 from ..weights.fusing import LeanLayer, all_products, fuse_layer, place_in_huge_pages
 from ..weights.products import Linear, packing_available
 from ..weights.quantized import (BLOCK_INPUTS, DequantizedLinear, MatrixSource, QuantizedLinear, QuantizedMatrix,
-                                 check_activation_bits, decode, packed_product, quantization_name, quantize)
+                                 check_activation_bits, decode, fits_dequantized, packed_product, quantization_name,
+                                 quantize)
 from ..weights.quantized import KINDS as QUANTIZATIONS
 from .attention import (
     RaggedLayout,
@@ -261,8 +262,9 @@ class LeanTarget(Target):
         if quantization is not None and quantized:
             raise UnsupportedModelError("give quantization (quantise on load) or quantized (a file's blocks), not both")
         self._check_quantization(quantization or ("file" if quantized else None))
-        #: Whether block-quantised products are dequantised per call (:class:`DequantizedLinear`: CUDA devices, the
-        #: fixed step shape, CPUs without the compiled kernels) rather than run by the compiled CPU kernels.
+        #: Whether block-quantised products are dequantised (:class:`DequantizedLinear`: CUDA devices, the fixed step
+        #: shape, CPUs without the compiled kernels; per call, or once at load on a GPU with room) rather than run by
+        #: the compiled CPU kernels.
         self.dequantizing = self.kernel is None or linear_fixed
         if self.dequantizing and isinstance(quantized, MatrixSource):
             raise UnsupportedModelError("products packed for the compiled CPU kernels cannot run here: load the GGUF "
@@ -289,7 +291,9 @@ class LeanTarget(Target):
                                                 f"{tuple(weight.shape)}")
             if matrix is not None:
                 if self.dequantizing:
-                    return DequantizedLinear(matrix, bias, device, linear_min_rows, linear_fixed)
+                    # (on a GPU with room, once at load: the per-call dequantisation cost more than the product)
+                    return DequantizedLinear(matrix, bias, device, linear_min_rows, linear_fixed,
+                                             keep_dequantized=fits_dequantized(matrix.shape, device))
                 return QuantizedLinear(matrix, bias, self.kernel, linear_min_rows, activation_bits=activation_bits)
             product = self.linear(weight, bias, linear_min_rows)
             product.fixed_rows = linear_fixed

@@ -476,18 +476,25 @@ class DequantizedLinear(Linear):
         bias: ``(out_features,)`` or ``None`` (kept in float32).
         device: where the quants and the products live.
         min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
+        keep_dequantized: dequantise once here and keep the float32 weights (4 bytes a weight) instead of the blocks:
+            the same weights in the same products, without the per-call work (see :func:`fits_dequantized`).
     """
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, device: torch.device | str,
-                 min_rows: int = 1, fixed_rows: bool = False) -> None:
+                 min_rows: int = 1, fixed_rows: bool = False, keep_dequantized: bool = False) -> None:
         self.out_features, self.in_features = matrix.shape
         if self.in_features % BLOCK_INPUTS:
             raise ValueError(f"quantised products need inputs in multiples of {BLOCK_INPUTS}, not {self.in_features}")
-        self.rows = DequantizedRows(matrix, device)
+        self.rows: DequantizedRows | None = DequantizedRows(matrix, device)
         self.types = matrix.types
         self.blocked = None
         self.packed = False
-        self.weight = self.rows.quants  # (what the products' memory is counted by)
+        #: The float32 weights, where kept (else ``None``: dequantised per call).
+        self.kept: torch.Tensor | None = None
+        if keep_dequantized:
+            self.kept = self.rows.all()
+            self.rows = None
+        self.weight = self.kept if self.kept is not None else self.rows.quants  # (what memory is counted by)
         self.bias = None if bias is None else bias.detach().float().to(device).contiguous()
         self.min_rows = min_rows
         self.fixed_rows = fixed_rows
@@ -498,10 +505,10 @@ class DequantizedLinear(Linear):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights ``(out, in)``."""
-        return self.rows.all()
+        return self.kept if self.kept is not None else self.rows.all()
 
     def _bound_product(self) -> Any:
-        weight = self.dequantize()  # once per call, whatever the number of fixed-row pieces
+        weight = self.dequantize()  # once per call (where not kept), whatever the number of fixed-row pieces
 
         def product(inputs: torch.Tensor) -> torch.Tensor:
             if inputs.dtype != torch.float32:
@@ -509,6 +516,18 @@ class DequantizedLinear(Linear):
             return F.linear(inputs, weight, self.bias)
 
         return product
+
+
+def fits_dequantized(shape: tuple[int, int], device: torch.device | str, headroom: float = 0.25) -> bool:
+    """Whether a CUDA device has room for a matrix of ``shape`` in float32 and still ``headroom`` of its memory free
+    (for the caches, the step's buffers and the other matrices' blocks): measured when asked, so a load keeps the
+    matrices dequantised while they fit and the rest as blocks. Never on other devices (the CPU kernels read the
+    blocks themselves)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    free, total = torch.cuda.mem_get_info(device)
+    return 4 * shape[0] * shape[1] <= free - headroom * total
 
 
 class DequantizedRows:

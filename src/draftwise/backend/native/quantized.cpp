@@ -725,7 +725,7 @@ void paired_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
                                                                                   y, y_stride, valid);
 }
 
-// Quad pairs, for formats with one scale a group and unsigned quants (the nibble formats: Q4_0, Q4_1, Q4_K, Q5_*):
+// Quad pairs, for formats with one scale a group (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0):
 // each 512-bit vector holds two quads of a tile's 8 outputs (output j's quad k in lane 2j, quad k + 1 in lane
 // 2j + 1), so that one 64-bit broadcast of a row's eight activations k..k+1 feeds one vpdpbusd for both: a row
 // takes half the dot-product instructions and half the broadcasts of tile_rows. After a group's quads the lane
@@ -741,13 +741,20 @@ DRAFTWISE_HOT __m512i interleave_quads(__m256i even, __m256i odd) {
     return _mm512_permutex2var_epi32(_mm512_castsi256_si512(even), order, _mm512_castsi256_si512(odd));
 }
 
-// A row's integer sums over a group's four quad pairs (its 32 bytes at ``values``), per lane.
+// A row's integer sums over a group's four quad pairs (its 32 bytes at ``values``), per lane. Signed quants: the
+// activations go in as unsigned bytes a + 128 (the dot product takes one unsigned side), so each lane holds its sum
+// plus 128 times its weights' sum, which the caller takes off.
+template <bool Signed>
 DRAFTWISE_HOT __m512i quad_pair_sums(const __m512i* pairs, const int8_t* values) {
     __m512i sums = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
         int64_t eight;
         std::memcpy(&eight, values + 8 * p, sizeof(eight));
-        sums = _mm512_dpbusd_epi32(sums, pairs[p], _mm512_set1_epi64(eight));
+        const __m512i activations = _mm512_set1_epi64(eight);
+        if constexpr (Signed)
+            sums = _mm512_dpbusd_epi32(sums, _mm512_xor_si512(activations, _mm512_set1_epi8(-128)), pairs[p]);
+        else
+            sums = _mm512_dpbusd_epi32(sums, pairs[p], activations);
     }
     return sums;
 }
@@ -757,7 +764,7 @@ DRAFTWISE_HOT __m256i add_lane_pairs(__m512i sums) {
     return _mm512_cvtepi64_epi32(_mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_CDAB)));
 }
 
-template <bool Nibbles, bool SixBits, bool Offsets, int Scales, bool Residuals, int Rows>
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, int Scales, bool Residuals, int Rows>
 void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t first,
                          const float* bias, float* y, int64_t y_stride, int64_t valid) {
     const int centre = centre_of(format);
@@ -774,16 +781,25 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
             unpack_quants<Nibbles, SixBits>(packed, weights);
             for (int p = 0; p < 4; ++p) pairs[p] = interleave_quads(weights[2 * p], weights[2 * p + 1]);
         }
+        // Signed quants: what the activations' bias of 128 adds to a row's fixed-point sum, 128 (256 + 1 with
+        // residuals, else 256) times each output's weights' sum
+        __m256i bias_term = _mm256_setzero_si256();
+        if constexpr (Signed) {
+            __m512i weight_sums = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p) weight_sums = _mm512_dpbusd_epi32(weight_sums, _mm512_set1_epi8(1), pairs[p]);
+            bias_term = _mm256_mullo_epi32(add_lane_pairs(weight_sums), _mm256_set1_epi32(128 * (Residuals ? 257 : 256)));
+        }
         const int64_t base = a.at(first, g);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
             const int64_t at = base + r;
             // fixed_sums' integers: 256 * (quants' sum) + (residuals' sum) - centre term
-            const __m512i quant_sums = quad_pair_sums(pairs, data.quants + at * kGroup);
+            const __m512i quant_sums = quad_pair_sums<Signed>(pairs, data.quants + at * kGroup);
             __m512i lanes = _mm512_slli_epi32(quant_sums, 8);
-            if (Residuals) lanes = _mm512_add_epi32(lanes, quad_pair_sums(pairs, data.residuals + at * kGroup));
+            if (Residuals) lanes = _mm512_add_epi32(lanes, quad_pair_sums<Signed>(pairs, data.residuals + at * kGroup));
             __m256i whole = add_lane_pairs(lanes);
-            if (centre != 0) whole = _mm256_sub_epi32(whole, _mm256_set1_epi32(data.centre_sums[at]));
+            if (Signed) whole = _mm256_sub_epi32(whole, bias_term);
+            else if (centre != 0) whole = _mm256_sub_epi32(whole, _mm256_set1_epi32(data.centre_sums[at]));
             sums[r] = add_group_value(sums[r], group, whole, _mm256_setzero_si256(), data.scales[at],
                                       data.scaled_sums[at]);
         }
@@ -791,22 +807,22 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
-template <bool Nibbles, bool SixBits, bool Offsets, int Scales, bool Residuals>
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, int Scales, bool Residuals>
 void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                     const float* bias, float* y, int64_t y_stride, int64_t valid) {
     int64_t first = 0;
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, kRowsPerPass>(tile, groups, format, a, first,
+        quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, kRowsPerPass>(tile, groups, format, a, first,
                                                                                        bias, y, y_stride, valid);
     if (first + 4 <= rows) {
-        quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 4>(tile, groups, format, a, first, bias, y,
+        quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 4>(tile, groups, format, a, first, bias, y,
                                                                             y_stride, valid);
         first += 4;
     }
     switch (rows - first) {
-        case 1: quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 2: quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 3: quad_pair_tile_rows<Nibbles, SixBits, Offsets, Scales, Residuals, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 1: quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 2: quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
+        case 3: quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
         default: break;
     }
 }
@@ -814,7 +830,7 @@ void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const Q
 
 // Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (on CPUs with AVX-512 and
 // VNNI through paired_rows for formats with two scales a group, and from four rows through quad_pair_rows for those
-// with one scale and unsigned quants).
+// with one).
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
@@ -824,10 +840,10 @@ void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
         paired_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
                                                                                  y_stride, valid);
         return;
-    } else if constexpr (!Signed) {
+    } else {
         if (rows >= kQuadPairsFromRows) {
-            quad_pair_rows<Nibbles, SixBits, Offsets, Scales, Residuals>(tile, groups, format, a, rows, bias, y, y_stride,
-                                                                        valid);
+            quad_pair_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
+                                                                                y_stride, valid);
             return;
         }
     }

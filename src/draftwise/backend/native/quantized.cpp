@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -56,6 +57,24 @@ constexpr int64_t kHalf = kGroup / 2;
 constexpr int kRowsPerPass = 8;
 constexpr int kWideRowsPerPass = 2;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
+
+// Calls ``pass(first, rows_of_pass)`` over ``rows`` rows: kRowsPerPass at a time, then four, then the rest
+// (``rows_of_pass`` a std::integral_constant, so each pass's kernel is compiled for its row count).
+template <typename Pass>
+inline void in_passes(int64_t rows, Pass&& pass) {
+    int64_t first = 0;
+    for (; first + kRowsPerPass <= rows; first += kRowsPerPass) pass(first, std::integral_constant<int, kRowsPerPass>{});
+    if (first + 4 <= rows) {
+        pass(first, std::integral_constant<int, 4>{});
+        first += 4;
+    }
+    switch (rows - first) {
+        case 1: pass(first, std::integral_constant<int, 1>{}); break;
+        case 2: pass(first, std::integral_constant<int, 2>{}); break;
+        case 3: pass(first, std::integral_constant<int, 3>{}); break;
+        default: break;
+    }
+}
 
 // The inner loops' helpers, inlined whatever the compiler's size budget: one left out of line (it happened to
 // unpack_quants once the row loops grew) costs a call, a vzeroupper and the weights through memory on every group.
@@ -810,21 +829,10 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, int Scales, bool Residuals>
 void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                     const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    int64_t first = 0;
-    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, kRowsPerPass>(tile, groups, format, a, first,
-                                                                                       bias, y, y_stride, valid);
-    if (first + 4 <= rows) {
-        quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 4>(tile, groups, format, a, first, bias, y,
-                                                                            y_stride, valid);
-        first += 4;
-    }
-    switch (rows - first) {
-        case 1: quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 2: quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 3: quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        default: break;
-    }
+    in_passes(rows, [&](int64_t first, auto count) {
+        quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, decltype(count)::value>(
+            tile, groups, format, a, first, bias, y, y_stride, valid);
+    });
 }
 #endif
 
@@ -834,35 +842,21 @@ void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const Q
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    int64_t first = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if constexpr (Halves) {  // (see paired_tile_rows)
         paired_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
                                                                                  y_stride, valid);
         return;
-    } else {
-        if (rows >= kQuadPairsFromRows) {
-            quad_pair_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
-                                                                                y_stride, valid);
-            return;
-        }
+    } else if (rows >= kQuadPairsFromRows) {
+        quad_pair_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
+                                                                            y_stride, valid);
+        return;
     }
 #endif
-    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, kRowsPerPass>(tile, groups, format, a,
-                                                                                             first, bias, y, y_stride,
-                                                                                             valid);
-    if (first + 4 <= rows) {
-        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 4>(tile, groups, format, a, first, bias,
-                                                                                  y, y_stride, valid);
-        first += 4;
-    }
-    switch (rows - first) {
-        case 1: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 2: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 2>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        case 3: tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 3>(tile, groups, format, a, first, bias, y, y_stride, valid); break;
-        default: break;
-    }
+    in_passes(rows, [&](int64_t first, auto count) {
+        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, decltype(count)::value>(
+            tile, groups, format, a, first, bias, y, y_stride, valid);
+    });
 }
 
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>

@@ -490,8 +490,8 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
         name = target.source
     kind = (target.weights or "float") if weights is None else weights
     dtype = target.dtype if kind == "float" else "auto"
-    # A quantised draft takes its activations at the target's precision: at 8 bits its steps cost about two thirds
-    # of 16 bits' (a 16-bit draft under an 8-bit target was slower than plain decoding).
+    # A quantised draft takes its activations at the target's precision: at 8 bits its steps are cheaper (Qwen2.5-
+    # Coder-1.5B's file: 0.73-0.8x 16 bits'), and a 16-bit draft under an 8-bit target ran at 0.91x plain decoding.
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
                                   calibrate=False, progress=True, weights=kind,
                                   activation_bits=getattr(target, "activation_bits", 16))

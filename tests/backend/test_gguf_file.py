@@ -35,9 +35,9 @@ def test_every_type_decodes_to_ggufs_values_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("type_name", FILE_TYPES)
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("rows", [7, 20])
+@pytest.mark.parametrize("rows", [2, 7, 20])
 def test_every_types_product_is_its_integer_arithmetic(type_name, bits, rows):
-    # (calls of several rows may take the products another way on some CPUs, one row never does: 7 and 20 rows go
+    # (calls of several rows may take the products another way on some CPUs, one row never does: 2, 7 and 20 rows go
     # through every size of pass there is, and through the widened products where a CPU has them)
     matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
     linear = QuantizedLinear(matrix, None, kernels, activation_bits=bits)

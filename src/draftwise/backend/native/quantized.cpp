@@ -602,24 +602,240 @@ void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// Tile pairs, on CPUs with AVX-512 and VNNI, for calls of two rows or more: each 512-bit vector holds two quads of a
-// tile's 8 outputs (output j's quad k in lane 2j, quad k + 1 in lane 2j + 1, interleaved once per group and pass), so
-// that one 64-bit broadcast of a row's eight activations k..k+1 feeds one vpdpbusd for both, and two neighbouring
-// tiles go together, so that the same broadcast feeds both tiles and the float32 steps of a group and row run on
-// sixteen outputs a vector (tile t's eight in lanes 0-7, tile t + 1's in lanes 8-15). After a group's quads each
-// output's lane pair is added: exactly the integer sum tile_rows takes (formats with two scales a group, Q6_K, sum
-// quads 0-3 and 4-7 apart, as tile_rows does), and the float32 steps are add_group_value's in the same order: bitwise
-// the same products. Signed quants (Q8_0) take the activations as unsigned bytes a + 128 (the dot product takes one
-// unsigned side) and the sums lose 128 (257 with residuals, else 256) times each output's weights' sum, exactly.
-// Measured on a two-core Zen 5 against the earlier two-rows-a-vector and single-tile quad-pair kernels: products of
-// 8960 x 1536, 8-bit activations, 2/3/4/8/16 rows, Q4_1 1.3/1.45/1.35/1.6/1.9x faster, Q6_K 1.1/1.4/1.0/1.15/1.2x;
-// Qwen2.5-Coder-1.5B Q4_K_M forwards of 16 rows (8-bit) 1.45x, of 8 rows (16-bit) 1.25-1.35x. One row stays on
-// tile_rows: it streams the weights from memory, where two streams side by side measured slower (one-row forwards
-// 1.1-1.25x slower); so does the last tile of an odd count.
+// Two rows in each 512-bit vector (a tile's 8 outputs for the first row in the low half, for the second in the high
+// half), where a dot-product instruction takes them: a pass's rows take half the multiply-adds and half the float32
+// steps of tile_rows. Each output's lane has the same integer sums and the same float32 operations in the same order
+// as tile_rows's (the kernels build without contraction into fused multiply-adds): bitwise the same products. The
+// weights are read as tile_rows reads them (one tile after the other: reading two tiles side by side slowed the
+// products streaming from memory), a single row stays on tile_rows. Only for formats with two scales a group
+// (Q6_K), whose float32 steps weigh most; measured on a two-core Zen 5, Qwen2.5-1.5B Q4_K_M forwards of 8-32 rows
+// 1.10-1.15x faster so, while pairing every format made SmolLM2's Q4_1 forwards 0.86-0.95x (nibble formats' products
+// 0.8-1.1x).
+DRAFTWISE_HOT __m512 both_halves(__m256 value) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(value)));
+}
+
+// ``first`` in lanes 0-7, ``second`` in lanes 8-15.
+DRAFTWISE_HOT __m512 pair_of(float first, float second) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(first), _mm512_set1_ps(second));
+}
+
+DRAFTWISE_HOT __m512i pair_of(int32_t first, int32_t second) {
+    return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(first), _mm512_set1_epi32(second));
+}
+
+// The integer sums of half ``Half`` of a group's quads (inputs 16 Half .. 16 Half + 15) of two rows (their 32 bytes
+// each side by side at ``values``) times the group's weights (in both halves of each vector), per output (exact).
+// Signed quants: ``weights`` their magnitudes, ``negative`` where they are below zero, and the activation's sign is
+// turned there (activations lie in [-127, 127]: negating one is exact).
+template <bool Signed, int Half>
+DRAFTWISE_HOT __m512i paired_quad_sums(const __m512i* weights, const __mmask64* negative, const int8_t* values) {
+    const __m512i pair_bytes = _mm512_loadu_si512(values);  // (row one's 32 bytes, then row two's)
+    // 128-bit lanes: row one's quads 4 Half .. 4 Half + 3 twice, then row two's twice
+    const __m512i lanes = Half == 0 ? _mm512_shuffle_i32x4(pair_bytes, pair_bytes, _MM_SHUFFLE(2, 2, 0, 0))
+                                    : _mm512_shuffle_i32x4(pair_bytes, pair_bytes, _MM_SHUFFLE(3, 3, 1, 1));
+    __m512i sums = _mm512_setzero_si512();
+    for (int k = 4 * Half; k < 4 * Half + 4; ++k) {
+        __m512i quads;
+        switch (k % 4) {  // (the shuffle's control must be a constant)
+            case 0: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0x00)); break;
+            case 1: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0x55)); break;
+            case 2: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0xAA)); break;
+            default: quads = _mm512_shuffle_epi32(lanes, static_cast<_MM_PERM_ENUM>(0xFF)); break;
+        }
+        if constexpr (Signed) quads = _mm512_mask_sub_epi8(quads, negative[k], _mm512_setzero_si512(), quads);
+        sums = _mm512_dpbusd_epi32(sums, weights[k], quads);
+    }
+    return sums;
+}
+
+// fixed_sums of half ``Half`` of a group for two rows (``centre_terms``: the first row's centre terms of both halves,
+// the second row's after them).
+template <bool Signed, bool Residuals, int Half>
+DRAFTWISE_HOT __m512i paired_fixed_sums(const __m512i* weights, const __mmask64* negative, const int8_t* quants,
+                                        const int8_t* residuals, int centre, const int32_t* centre_terms) {
+    // (named first: without optimisation the shift is a macro, whose arguments a template's comma would split)
+    const __m512i quant_sums = paired_quad_sums<Signed, Half>(weights, negative, quants);
+    __m512i total = _mm512_slli_epi32(quant_sums, 8);
+    if (Residuals) total = _mm512_add_epi32(total, paired_quad_sums<Signed, Half>(weights, negative, residuals));
+    if (!Signed && centre != 0) total = _mm512_sub_epi32(total, pair_of(centre_terms[Half], centre_terms[2 + Half]));
+    return total;
+}
+
+// tile_rows for Pairs pairs of rows from ``first``.
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals, int Pairs>
+void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t first,
+                      const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    static_assert(Halves, "pairs for formats with two scales a group only (see above)");
+    const int centre = centre_of(format);
+    const RowData data(a);
+    __m512 sums[Pairs];
+    for (int p = 0; p < Pairs; ++p) sums[p] = _mm512_setzero_ps();
+    GroupReader<Offsets, Halves, Scales> group(tile, format);
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* packed = group.next(g);
+        // (on every pass, unlike tile_rows: with half the instructions a row, 8-row passes wait on memory too; Qwen
+        // forwards of 8-16 rows measured 2-5 % faster so on a Zen 5)
+        prefetch_ahead(packed, group.bytes);
+        __m512i weights[8];
+        __mmask64 negative[8] = {};  // (signed quants only)
+        {
+            __m256i unpacked[8];
+            unpack_quants<Nibbles, SixBits>(packed, unpacked);
+            for (int k = 0; k < 8; ++k) {
+                weights[k] = _mm512_broadcast_i64x4(unpacked[k]);
+                if constexpr (Signed) {
+                    negative[k] = _mm512_movepi8_mask(weights[k]);
+                    weights[k] = _mm512_abs_epi8(weights[k]);
+                }
+            }
+        }
+        const __m512 scale = both_halves(group.scale), scale_high = both_halves(group.scale_high);
+        const __m512 offset = Offsets ? both_halves(group.offset) : _mm512_setzero_ps();
+        const int64_t base = a.at(first, g);
+#pragma GCC unroll 8
+        for (int p = 0; p < Pairs; ++p) {
+            const int64_t at = base + 2 * p;  // (the pair's second row at at + 1)
+            const int8_t* q = data.quants + at * kGroup;
+            const int8_t* residual = data.residuals + at * kGroup;
+            // add_group_value's steps
+            const __m512i low = paired_fixed_sums<Signed, Residuals, 0>(weights, negative, q, residual, centre,
+                                                                        data.centre_halves + 2 * at);
+            const __m512i high = paired_fixed_sums<Signed, Residuals, 1>(weights, negative, q, residual, centre,
+                                                                         data.centre_halves + 2 * at);
+            __m512 value = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)),
+                                         _mm512_mul_ps(scale_high, _mm512_cvtepi32_ps(high)));
+            value = _mm512_mul_ps(value, pair_of(data.scales[at], data.scales[at + 1]));
+            if (Offsets)
+                value = _mm512_add_ps(value, _mm512_mul_ps(offset, pair_of(data.scaled_sums[at], data.scaled_sums[at + 1])));
+            sums[p] = _mm512_add_ps(sums[p], value);
+        }
+    }
+    __m256 row_sums[2 * Pairs];
+    for (int p = 0; p < Pairs; ++p) {
+        row_sums[2 * p] = _mm512_castps512_ps256(sums[p]);
+        row_sums[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums[p]), 1));
+    }
+    store_rows<2 * Pairs>(row_sums, first, bias, y, y_stride, valid);
+}
+
+// Every row of a call through paired_tile_rows: kRowsPerPass at a time, then four, then two, a last one alone.
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
+void paired_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
+                 const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    int64_t first = 0;
+    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
+        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, kRowsPerPass / 2>(
+            tile, groups, format, a, first, bias, y, y_stride, valid);
+    if (first + 4 <= rows) {
+        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 2>(tile, groups, format, a,
+                                                                                          first, bias, y, y_stride,
+                                                                                          valid);
+        first += 4;
+    }
+    if (first + 2 <= rows) {
+        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a,
+                                                                                          first, bias, y, y_stride,
+                                                                                          valid);
+        first += 2;
+    }
+    if (first < rows)
+        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, first, bias,
+                                                                                  y, y_stride, valid);
+}
+
+// Quad pairs, for formats with one scale a group (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0):
+// each 512-bit vector holds two quads of a tile's 8 outputs (output j's quad k in lane 2j, quad k + 1 in lane
+// 2j + 1), so that one 64-bit broadcast of a row's eight activations k..k+1 feeds one vpdpbusd for both: a row
+// takes half the dot-product instructions and half the broadcasts of tile_rows. After a group's quads the lane
+// pairs are added (output j's integer sum, exactly the integer tile_rows takes) and the float32 steps are
+// tile_rows's own, on eight lanes: bitwise the same products. The weights are interleaved once per group and pass,
+// for all the pass's rows. Measured on a two-core Zen 5, Q4_0 products of 8-16 rows with 16-bit activations
+// 1.2-1.3x faster (1536 x 1536 and 8960 x 1536), 8-bit ones and fewer rows about the same: the float32 steps, eight
+// outputs a vector, weigh as much as the dot products, which tile pairs (below, from six rows) halve.
+constexpr int64_t kQuadPairsFromRows = 4;
+
 DRAFTWISE_HOT __m512i interleave_quads(__m256i even, __m256i odd) {
     const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     return _mm512_permutex2var_epi32(_mm512_castsi256_si512(even), order, _mm512_castsi256_si512(odd));
 }
+
+// A row's integer sums over a group's four quad pairs (its 32 bytes at ``values``), per lane. Signed quants: the
+// activations go in as unsigned bytes a + 128 (the dot product takes one unsigned side), so each lane holds its sum
+// plus 128 times its weights' sum, which the caller takes off.
+template <bool Signed>
+DRAFTWISE_HOT __m512i quad_pair_sums(const __m512i* pairs, const int8_t* values) {
+    __m512i sums = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+        int64_t eight;
+        std::memcpy(&eight, values + 8 * p, sizeof(eight));
+        const __m512i activations = _mm512_set1_epi64(eight);
+        if constexpr (Signed)
+            sums = _mm512_dpbusd_epi32(sums, _mm512_xor_si512(activations, _mm512_set1_epi8(-128)), pairs[p]);
+        else
+            sums = _mm512_dpbusd_epi32(sums, pairs[p], activations);
+    }
+    return sums;
+}
+
+// Output j's sum from lanes 2j and 2j + 1.
+DRAFTWISE_HOT __m256i add_lane_pairs(__m512i sums) {
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_CDAB)));
+}
+
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, int Scales, bool Residuals, int Rows>
+void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t first,
+                         const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    const int centre = centre_of(format);
+    const RowData data(a);
+    __m256 sums[Rows];
+    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_setzero_ps();
+    GroupReader<Offsets, false, Scales> group(tile, format);
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* packed = group.next(g);
+        if (Rows < kRowsPerPass) prefetch_ahead(packed, group.bytes);
+        __m512i pairs[4];
+        {
+            __m256i weights[8];
+            unpack_quants<Nibbles, SixBits>(packed, weights);
+            for (int p = 0; p < 4; ++p) pairs[p] = interleave_quads(weights[2 * p], weights[2 * p + 1]);
+        }
+        // Signed quants: what the activations' bias of 128 adds to a row's fixed-point sum, 128 (256 + 1 with
+        // residuals, else 256) times each output's weights' sum
+        __m256i bias_term = _mm256_setzero_si256();
+        if constexpr (Signed) {
+            __m512i weight_sums = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p) weight_sums = _mm512_dpbusd_epi32(weight_sums, _mm512_set1_epi8(1), pairs[p]);
+            bias_term = _mm256_mullo_epi32(add_lane_pairs(weight_sums), _mm256_set1_epi32(128 * (Residuals ? 257 : 256)));
+        }
+        const int64_t base = a.at(first, g);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+            const int64_t at = base + r;
+            // fixed_sums' integers: 256 * (quants' sum) + (residuals' sum) - centre term
+            const __m512i quant_sums = quad_pair_sums<Signed>(pairs, data.quants + at * kGroup);
+            __m512i lanes = _mm512_slli_epi32(quant_sums, 8);
+            if (Residuals) lanes = _mm512_add_epi32(lanes, quad_pair_sums<Signed>(pairs, data.residuals + at * kGroup));
+            __m256i whole = add_lane_pairs(lanes);
+            if (Signed) whole = _mm256_sub_epi32(whole, bias_term);
+            else if (centre != 0) whole = _mm256_sub_epi32(whole, _mm256_set1_epi32(data.centre_sums[at]));
+            sums[r] = add_group_value(sums[r], group, whole, _mm256_setzero_si256(), data.scales[at],
+                                      data.scaled_sums[at]);
+        }
+    }
+    store_rows<Rows>(sums, first, bias, y, y_stride, valid);
+}
+
+// Tile pairs, for calls of kTilePairsFromRows rows or more: the quad pairs of two neighbouring tiles fed by the same
+// broadcast of a row's activations, and the float32 steps of a group and row on sixteen outputs a vector (tile t's
+// eight in lanes 0-7, tile t + 1's in lanes 8-15). Each output's lane pair is added into exactly the integer sum
+// tile_rows takes (formats with two scales a group, Q6_K, sum quads 0-3 and 4-7 apart, as tile_rows does) and the
+// float32 steps are add_group_value's in the same order: bitwise the same products. Measured on a two-core Zen 5
+// against the kernels above (8960 x 1536, 8-bit activations, weights in cache): 8 and 16 rows Q4_1 1.6-1.9x, Q4_K
+// 1.65-1.75x, Q6_K 1.15-1.2x faster; Qwen2.5-Coder-1.5B Q4_K_M forwards (weights streaming from memory) of 16 rows
+// (8-bit) 1.45x, of 8 rows (16-bit) 1.25-1.35x. Below six rows they lost in forwards (2 rows 1.15-1.35x slower, 4
+// rows 1.0-1.1x): the products wait on memory there, and two tiles side by side read as two streams.
+constexpr int64_t kTilePairsFromRows = 6;
 
 // Lanes 0-7: output j of ``first``'s lanes 2j + 2j+1; lanes 8-15: the same of ``second``.
 DRAFTWISE_HOT __m512i add_lane_pairs(__m512i first, __m512i second) {
@@ -770,12 +986,33 @@ void tile_pair_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t groups,
     else passes(std::false_type{});
 }
 
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, int Scales, bool Residuals>
+void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
+                    const float* bias, float* y, int64_t y_stride, int64_t valid) {
+    in_passes(rows, [&](int64_t first, auto count) {
+        quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, decltype(count)::value>(
+            tile, groups, format, a, first, bias, y, y_stride, valid);
+    });
+}
 #endif
 
-// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest.
+// Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (on CPUs with AVX-512 and
+// VNNI through paired_rows for formats with two scales a group, and from four rows through quad_pair_rows for those
+// with one).
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if constexpr (Halves) {  // (see paired_tile_rows)
+        paired_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
+                                                                                 y_stride, valid);
+        return;
+    } else if (rows >= kQuadPairsFromRows) {
+        quad_pair_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
+                                                                            y_stride, valid);
+        return;
+    }
+#endif
     in_passes(rows, [&](int64_t first, auto count) {
         tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, decltype(count)::value>(
             tile, groups, format, a, first, bias, y, y_stride, valid);
@@ -833,8 +1070,6 @@ TileProduct tile_product(int64_t format) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define DRAFTWISE_TILE_PAIRS 1
-// Rows from which a call's tiles go in pairs (tile_pair_rows; see there)
-constexpr int64_t kTilePairsFromRows = 2;
 
 using TilePairProduct = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
                                  const float*, float*, int64_t, int64_t);

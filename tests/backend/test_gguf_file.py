@@ -35,10 +35,11 @@ def test_every_type_decodes_to_ggufs_values_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("type_name", FILE_TYPES)
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("rows", [2, 7, 20])
+@pytest.mark.parametrize("rows", [2, 3, 5, 7, 13, 20])
 def test_every_types_product_is_its_integer_arithmetic(type_name, bits, rows):
-    # (calls of several rows may take the products another way on some CPUs, one row never does: 2, 7 and 20 rows go
-    # through every size of pass there is, and through the widened products where a CPU has them)
+    # (calls of several rows may take the products another way on some CPUs, one row never does: these row counts go
+    # through every kind and size of pass there is, an odd row paired with the row after it, and through the widened
+    # products where a CPU has them)
     matrix = decode(random_blocks(type_name, 203, 512, seed=1), type_name)
     linear = QuantizedLinear(matrix, None, kernels, activation_bits=bits)
     assert linear.quantization == type_name.lower()

@@ -58,12 +58,27 @@ constexpr int kRowsPerPass = 8;
 constexpr int kWideRowsPerPass = 2;
 constexpr int64_t kParallelValues = 32768;  // activations worth quantising on several threads
 
-// Calls ``pass(first, rows_of_pass)`` over ``rows`` rows: kRowsPerPass at a time, then four, then the rest
-// (``rows_of_pass`` a std::integral_constant, so each pass's kernel is compiled for its row count).
-template <typename Pass>
+// Calls ``pass(first, rows_of_pass)`` over ``rows`` rows: kRowsPerPass at a time, then four, then the rest, or
+// with OneLastPass the rest in one pass (``rows_of_pass`` a std::integral_constant, so each pass's kernel is compiled
+// for its row count). (One last pass reads the weights once more instead of twice; the 512-bit kernels take it, which
+// have the registers for any row count of a pass.)
+template <bool OneLastPass = false, typename Pass>
 inline void in_passes(int64_t rows, Pass&& pass) {
     int64_t first = 0;
     for (; first + kRowsPerPass <= rows; first += kRowsPerPass) pass(first, std::integral_constant<int, kRowsPerPass>{});
+    if constexpr (OneLastPass) {
+        switch (rows - first) {
+            case 1: pass(first, std::integral_constant<int, 1>{}); break;
+            case 2: pass(first, std::integral_constant<int, 2>{}); break;
+            case 3: pass(first, std::integral_constant<int, 3>{}); break;
+            case 4: pass(first, std::integral_constant<int, 4>{}); break;
+            case 5: pass(first, std::integral_constant<int, 5>{}); break;
+            case 6: pass(first, std::integral_constant<int, 6>{}); break;
+            case 7: pass(first, std::integral_constant<int, 7>{}); break;
+            default: break;
+        }
+        return;
+    }
     if (first + 4 <= rows) {
         pass(first, std::integral_constant<int, 4>{});
         first += 4;
@@ -126,7 +141,8 @@ DRAFTWISE_HOT constexpr int64_t unit_bytes(int64_t format) {
 }
 
 // Each row's activations quantised per group (see the notes above), stored group by group (a group's rows side by
-// side, so a pass over several rows reads one run of memory per group).
+// side, so a pass over several rows reads one run of memory per group), with a row of zeros after the last: a pass
+// that pairs an odd row with the row after it (paired_rows) reads a row past a group's, whose products it drops.
 struct QuantizedRows {
     int64_t rows, groups;
     std::vector<int8_t> quants;        // (groups, rows, 32): q
@@ -140,9 +156,10 @@ struct QuantizedRows {
 
     QuantizedRows(const float* x, int64_t x_stride, int64_t rows_, int64_t groups_, bool residuals_, int centre,
                   bool with_wide = false)
-        : rows(rows_), groups(groups_), quants(rows_ * groups_ * kGroup), residuals(rows_ * groups_ * kGroup),
-          scales(rows_ * groups_), scaled_sums(rows_ * groups_), centre_halves(rows_ * groups_ * 2),
-          centre_sums(rows_ * groups_), wide(with_wide ? rows_ * groups_ * kGroup : 0), with_residuals(residuals_) {
+        : rows(rows_), groups(groups_), quants((rows_ * groups_ + 1) * kGroup),
+          residuals((rows_ * groups_ + 1) * kGroup), scales(rows_ * groups_ + 1), scaled_sums(rows_ * groups_ + 1),
+          centre_halves((rows_ * groups_ + 1) * 2), centre_sums(rows_ * groups_ + 1),
+          wide(with_wide ? rows_ * groups_ * kGroup : 0), with_residuals(residuals_) {
         // Rows apart on the threads once there are enough of them (a prompt's), each row's steps the same.
         const int64_t grain = std::max<int64_t>(1, kParallelValues / std::max<int64_t>(1, groups * kGroup));
         at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -662,8 +679,10 @@ DRAFTWISE_HOT __m512i paired_fixed_sums(const __m512i* weights, const __mmask64*
     return total;
 }
 
-// tile_rows for Pairs pairs of rows from ``first``.
-template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals, int Pairs>
+// tile_rows for Pairs pairs of rows from ``first``, of which the first ``Stored`` are stored (2 Pairs - 1: the last
+// pair's second row is whatever follows, its products dropped).
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals, int Pairs,
+          int Stored = 2 * Pairs>
 void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t first,
                       const float* bias, float* y, int64_t y_stride, int64_t valid) {
     static_assert(Halves, "pairs for formats with two scales a group only (see above)");
@@ -716,32 +735,25 @@ void paired_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, const
         row_sums[2 * p] = _mm512_castps512_ps256(sums[p]);
         row_sums[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums[p]), 1));
     }
-    store_rows<2 * Pairs>(row_sums, first, bias, y, y_stride, valid);
+    store_rows<Stored>(row_sums, first, bias, y, y_stride, valid);
 }
 
-// Every row of a call through paired_tile_rows: kRowsPerPass at a time, then four, then two, a last one alone.
+// Every row of a call through paired_tile_rows: kRowsPerPass at a time, then the rest in one pass (an odd row paired
+// with the row after it, dropped: two rows a vector cost about what one does, a second pass over the weights more;
+// Q6_K 8960 x 1536 in cache on a Zen 5, 3 rows 275 us as a pair and a row alone, 4 rows 229), a call of one row alone.
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void paired_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    int64_t first = 0;
-    for (; first + kRowsPerPass <= rows; first += kRowsPerPass)
-        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, kRowsPerPass / 2>(
+    if (rows == 1) {
+        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, 0, bias, y,
+                                                                                  y_stride, valid);
+        return;
+    }
+    in_passes<true>(rows, [&](int64_t first, auto count) {
+        constexpr int kRows = decltype(count)::value;
+        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, (kRows + 1) / 2, kRows>(
             tile, groups, format, a, first, bias, y, y_stride, valid);
-    if (first + 4 <= rows) {
-        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 2>(tile, groups, format, a,
-                                                                                          first, bias, y, y_stride,
-                                                                                          valid);
-        first += 4;
-    }
-    if (first + 2 <= rows) {
-        paired_tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a,
-                                                                                          first, bias, y, y_stride,
-                                                                                          valid);
-        first += 2;
-    }
-    if (first < rows)
-        tile_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals, 1>(tile, groups, format, a, first, bias,
-                                                                                  y, y_stride, valid);
+    });
 }
 
 // Quad pairs, for formats with one scale a group (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0):
@@ -751,9 +763,11 @@ void paired_rows(const uint8_t* tile, int64_t groups, int64_t format, const Quan
 // pairs are added (output j's integer sum, exactly the integer tile_rows takes) and the float32 steps are
 // tile_rows's own, on eight lanes: bitwise the same products. The weights are interleaved once per group and pass,
 // for all the pass's rows. Measured on a two-core Zen 5, Q4_0 products of 8-16 rows with 16-bit activations
-// 1.2-1.3x faster (1536 x 1536 and 8960 x 1536), 8-bit ones and fewer rows about the same: the float32 steps, eight
-// outputs a vector, weigh as much as the dot products, which tile pairs (below, from six rows) halve.
-constexpr int64_t kQuadPairsFromRows = 4;
+// 1.2-1.3x faster (1536 x 1536 and 8960 x 1536), 8-bit ones about the same: the float32 steps, eight outputs a
+// vector, weigh as much as the dot products, which tile pairs (below, from six rows) halve. From two rows: Q4_K 8960
+// x 1536 in cache, 2 / 3 rows 148 / 207 -> 130 / 177 us (8-bit), 199 / 276 -> 166 / 234 (16-bit); Qwen2.5-Coder-1.5B
+// Q4_K_M forwards of 2 / 3 rows (16-bit) 30 / 43 -> 28 / 40 ms.
+constexpr int64_t kQuadPairsFromRows = 2;
 
 DRAFTWISE_HOT __m512i interleave_quads(__m256i even, __m256i odd) {
     const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
@@ -976,7 +990,7 @@ template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, in
 void tile_pair_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t groups, int64_t format, const QuantizedRows& a,
                         int64_t rows, const float* bias, float* y, int64_t y_stride, int64_t second_valid) {
     const auto passes = [&](auto residuals) {
-        in_passes(rows, [&](int64_t first, auto count) {
+        in_passes<true>(rows, [&](int64_t first, auto count) {
             tile_pair_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, decltype(residuals)::value,
                            decltype(count)::value>(tile, tile_bytes, groups, format, a, first, bias, y, y_stride,
                                                    second_valid);
@@ -989,7 +1003,7 @@ void tile_pair_all_rows(const uint8_t* tile, int64_t tile_bytes, int64_t groups,
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, int Scales, bool Residuals>
 void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                     const float* bias, float* y, int64_t y_stride, int64_t valid) {
-    in_passes(rows, [&](int64_t first, auto count) {
+    in_passes<true>(rows, [&](int64_t first, auto count) {
         quad_pair_tile_rows<Nibbles, SixBits, Signed, Offsets, Scales, Residuals, decltype(count)::value>(
             tile, groups, format, a, first, bias, y, y_stride, valid);
     });
@@ -997,7 +1011,7 @@ void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const Q
 #endif
 
 // Every row of a call through tile_rows: kRowsPerPass at a time, then four, then the rest (on CPUs with AVX-512 and
-// VNNI through paired_rows for formats with two scales a group, and from four rows through quad_pair_rows for those
+// VNNI through paired_rows for formats with two scales a group, and from two rows through quad_pair_rows for those
 // with one).
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,

@@ -80,3 +80,22 @@ def test_quantised_drafts_run_on_every_device(tmp_path, device):
     assert _generate(target, by_file).token_ids == plain
     assert by_file.draft.device.type == device and by_file.draft.quantization == target.quantization
     assert _generate(target, f"draft:model=self,weights=q8_0,depth=3,cache_dir={tmp_path}").token_ids == plain
+
+
+@needs_kernels
+def test_a_quantised_draft_head_scores_part_of_the_vocabulary_bitwise(tmp_path):
+    """A draft running a GGUF file's blocks scores the lowest ids by whole tiles of its packed head and the context's
+    tokens from their tiles: each logit bitwise the full head's, plain greedy decoding's ids."""
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q4_K")
+    target, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
+    drafter = DraftModelDrafter(model=str(path), depth=4, adaptive=False, vocab=13, cache_dir=str(tmp_path))
+    assert _generate(target, drafter).token_ids == _generate(target, "ar").token_ids
+    head = drafter._shared["head"]
+    assert head is not None and head.size == 16 and head.extra  # (13 rounded up to two tiles of 8)
+    hidden = torch.randn(3, drafter.draft.config.hidden_size)
+    assert torch.equal(head(hidden), drafter.draft.head(hidden)[:, head.ids])
+
+
+def test_draft_activation_bits_are_checked():
+    with pytest.raises(ValueError, match="activation bits"):
+        DraftModelDrafter(model="smollm2-135m", activation_bits=4)

@@ -443,6 +443,15 @@ class QuantizedLinear(Linear):
     def quantization(self) -> str:
         return quantization_name(self.types)
 
+    def tile_product(self, tiles: torch.Tensor | slice) -> QuantizedLinear:
+        """The product over the outputs of ``tiles`` only (tile ``t`` holds outputs ``8t .. 8t + 7``; a slice takes a
+        view of the packed weights, indices a copy), without bias: each output bitwise this product's, since every
+        tile's outputs are computed alone."""
+        weight = self.weight[tiles] if isinstance(tiles, slice) else self.weight.index_select(0, tiles)
+        shape = (weight.shape[0] * TILE_OUTPUTS, self.in_features)
+        return QuantizedLinear(PackedMatrix(weight, self.format, shape, self.types), None, self.kernels,
+                               self.min_rows, self.fixed_rows, self.activation_bits)
+
     def _product(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.dtype != torch.float32:
             raise TypeError(f"quantised products take float32 rows, not {inputs.dtype}")

@@ -619,6 +619,7 @@ void wide_rows(const uint8_t* tile, const WideTile& wide, int64_t groups, int64_
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define DRAFTWISE_VNNI512 1  // (the 512-bit kernels below: paired rows, quad pairs and tile pairs)
 // Two rows in each 512-bit vector (a tile's 8 outputs for the first row in the low half, for the second in the high
 // half), where a dot-product instruction takes them: a pass's rows take half the multiply-adds and half the float32
 // steps of tile_rows. Each output's lane has the same integer sums and the same float32 operations in the same order
@@ -1016,7 +1017,7 @@ void quad_pair_rows(const uint8_t* tile, int64_t groups, int64_t format, const Q
 template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales, bool Residuals>
 void narrow_rows(const uint8_t* tile, int64_t groups, int64_t format, const QuantizedRows& a, int64_t rows,
                  const float* bias, float* y, int64_t y_stride, int64_t valid) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(DRAFTWISE_VNNI512)
     if constexpr (Halves) {  // (see paired_tile_rows)
         paired_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales, Residuals>(tile, groups, format, a, rows, bias, y,
                                                                                  y_stride, valid);
@@ -1059,57 +1060,50 @@ void tile_all_rows(const uint8_t* tile, int64_t groups, int64_t format, const Qu
 using TileProduct = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, const float*, float*,
                              int64_t, int64_t, WideTile&);
 
-template <bool Nibbles, bool SixBits, bool Signed, int Scales>
-TileProduct with_floats(int64_t format) {
-    const bool offsets = format & kOffsets, halves = format & kHalves;
-    if (offsets)
-        return halves ? tile_all_rows<Nibbles, SixBits, Signed, true, true, Scales>
-                      : tile_all_rows<Nibbles, SixBits, Signed, true, false, Scales>;
-    return halves ? tile_all_rows<Nibbles, SixBits, Signed, false, true, Scales>
-                  : tile_all_rows<Nibbles, SixBits, Signed, false, false, Scales>;
+// A kernel family's instance for a format's bits, ``Kernel<Nibbles, SixBits, Signed, Offsets, Halves,
+// Scales>::function`` (each flag a compile-time constant, so each instance is compiled for its format).
+template <template <bool, bool, bool, bool, bool, int> class Kernel>
+auto kernel_for(int64_t format) {
+    const auto with_floats = [format](auto nibbles, auto six_bits, auto is_signed, auto scales) {
+        constexpr bool kNib = decltype(nibbles)::value, kSix = decltype(six_bits)::value;
+        constexpr bool kSig = decltype(is_signed)::value;
+        constexpr int kScales = decltype(scales)::value;
+        const bool offsets = format & kOffsets, halves = format & kHalves;
+        if (offsets)
+            return halves ? Kernel<kNib, kSix, kSig, true, true, kScales>::function
+                          : Kernel<kNib, kSix, kSig, true, false, kScales>::function;
+        return halves ? Kernel<kNib, kSix, kSig, false, true, kScales>::function
+                      : Kernel<kNib, kSix, kSig, false, false, kScales>::function;
+    };
+    const auto with_quants = [&](auto scales) {
+        using Yes = std::true_type;
+        using No = std::false_type;
+        if (format & kNibbles) return with_floats(Yes{}, No{}, No{}, scales);
+        if (format & kSixBits) return with_floats(No{}, Yes{}, No{}, scales);
+        return format & kSigned ? with_floats(No{}, No{}, Yes{}, scales) : with_floats(No{}, No{}, No{}, scales);
+    };
+    if (format & kFactored) return with_quants(std::integral_constant<int, kFactoredScales>{});
+    return format & kHalfFloats ? with_quants(std::integral_constant<int, kHalfScales>{})
+                                : with_quants(std::integral_constant<int, kFloatScales>{});
 }
 
-template <int Scales>
-TileProduct with_quants(int64_t format) {
-    if (format & kNibbles) return with_floats<true, false, false, Scales>(format);
-    if (format & kSixBits) return with_floats<false, true, false, Scales>(format);
-    return format & kSigned ? with_floats<false, false, true, Scales>(format)
-                            : with_floats<false, false, false, Scales>(format);
-}
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>
+struct TileKernel {
+    static constexpr TileProduct function = tile_all_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales>;
+};
 
-TileProduct tile_product(int64_t format) {
-    if (format & kFactored) return with_quants<kFactoredScales>(format);
-    return format & kHalfFloats ? with_quants<kHalfScales>(format) : with_quants<kFloatScales>(format);
-}
+TileProduct tile_product(int64_t format) { return kernel_for<TileKernel>(format); }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define DRAFTWISE_TILE_PAIRS 1
-
+#if defined(DRAFTWISE_VNNI512)
 using TilePairProduct = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
                                  const float*, float*, int64_t, int64_t);
 
-template <bool Nibbles, bool SixBits, bool Signed, int Scales>
-TilePairProduct pair_with_floats(int64_t format) {
-    const bool offsets = format & kOffsets, halves = format & kHalves;
-    if (offsets)
-        return halves ? tile_pair_all_rows<Nibbles, SixBits, Signed, true, true, Scales>
-                      : tile_pair_all_rows<Nibbles, SixBits, Signed, true, false, Scales>;
-    return halves ? tile_pair_all_rows<Nibbles, SixBits, Signed, false, true, Scales>
-                  : tile_pair_all_rows<Nibbles, SixBits, Signed, false, false, Scales>;
-}
+template <bool Nibbles, bool SixBits, bool Signed, bool Offsets, bool Halves, int Scales>
+struct TilePairKernel {
+    static constexpr TilePairProduct function = tile_pair_all_rows<Nibbles, SixBits, Signed, Offsets, Halves, Scales>;
+};
 
-template <int Scales>
-TilePairProduct pair_with_quants(int64_t format) {
-    if (format & kNibbles) return pair_with_floats<true, false, false, Scales>(format);
-    if (format & kSixBits) return pair_with_floats<false, true, false, Scales>(format);
-    return format & kSigned ? pair_with_floats<false, false, true, Scales>(format)
-                            : pair_with_floats<false, false, false, Scales>(format);
-}
-
-TilePairProduct tile_pair_product(int64_t format) {
-    if (format & kFactored) return pair_with_quants<kFactoredScales>(format);
-    return format & kHalfFloats ? pair_with_quants<kHalfScales>(format) : pair_with_quants<kFloatScales>(format);
-}
+TilePairProduct tile_pair_product(int64_t format) { return kernel_for<TilePairKernel>(format); }
 #endif
 #else
 // The same integer sums and float32 operations one output at a time.
@@ -1195,7 +1189,7 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
 #if defined(__AVX2__)
     const qp::TileProduct product = qp::tile_product(format);
 #endif
-#if defined(DRAFTWISE_TILE_PAIRS)
+#if defined(DRAFTWISE_VNNI512)
     {
         if (rows >= qp::kTilePairsFromRows && tiles >= 2) {
             const qp::TilePairProduct pair_product = qp::tile_pair_product(format);

@@ -112,9 +112,11 @@ def test_every_method_matches_ar_on_spec_bench(smollm_in, spec_bench_references,
     assert not mismatches, f"{method} differs from ar:\n" + "\n".join(mismatches)
     # Drafting never costs a step. The drafting policy keeps drafts out where this machine's measured costs say they
     # do not pay (bfloat16 emulated without native bf16, a slow or loaded CPU: one CI run's float32 recycling drafted
-    # nothing): the ids are always checked, savings required only where drafting surely pays.
+    # nothing; a layer-skip search that finds no set paying for its forwards gives up, as one CI run's bfloat16 search
+    # did): the ids are always checked, savings required only where drafting surely pays and was not judged not to.
     assert steps[method] <= steps["ar"], f"{method} took more steps than ar"
-    if FAST_MACHINE:
+    search = getattr(drafter, "search", None)
+    if FAST_MACHINE and not getattr(search, "given_up", False):
         assert steps[method] < steps["ar"], f"{method} saved no steps at all"
 
 

@@ -775,6 +775,14 @@ DRAFTWISE_HOT __m512i interleave_quads(__m256i even, __m256i odd) {
     return _mm512_permutex2var_epi32(_mm512_castsi256_si512(even), order, _mm512_castsi256_si512(odd));
 }
 
+// A group's quads as quad pairs.
+template <bool Nibbles, bool SixBits>
+DRAFTWISE_HOT void quad_pairs_of(const uint8_t* packed, __m512i* pairs) {
+    __m256i weights[8];
+    unpack_quants<Nibbles, SixBits>(packed, weights);
+    for (int p = 0; p < 4; ++p) pairs[p] = interleave_quads(weights[2 * p], weights[2 * p + 1]);
+}
+
 // A row's integer sums over a group's four quad pairs (its 32 bytes at ``values``), per lane. Signed quants: the
 // activations go in as unsigned bytes a + 128 (the dot product takes one unsigned side), so each lane holds its sum
 // plus 128 times its weights' sum, which the caller takes off.
@@ -810,11 +818,7 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
         const uint8_t* packed = group.next(g);
         if (Rows < kRowsPerPass) prefetch_ahead(packed, group.bytes);
         __m512i pairs[4];
-        {
-            __m256i weights[8];
-            unpack_quants<Nibbles, SixBits>(packed, weights);
-            for (int p = 0; p < 4; ++p) pairs[p] = interleave_quads(weights[2 * p], weights[2 * p + 1]);
-        }
+        quad_pairs_of<Nibbles, SixBits>(packed, pairs);
         // Signed quants: what the activations' bias of 128 adds to a row's fixed-point sum, 128 (256 + 1 with
         // residuals, else 256) times each output's weights' sum
         __m256i bias_term = _mm256_setzero_si256();
@@ -862,14 +866,6 @@ DRAFTWISE_HOT __m512i add_lane_pairs(__m512i first, __m512i second) {
 
 DRAFTWISE_HOT __m512 joined(__m256 first, __m256 second) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(first)), _mm256_castps_pd(second), 1));
-}
-
-// A group's quads as quad pairs.
-template <bool Nibbles, bool SixBits>
-DRAFTWISE_HOT void quad_pairs_of(const uint8_t* packed, __m512i* pairs) {
-    __m256i weights[8];
-    unpack_quants<Nibbles, SixBits>(packed, weights);
-    for (int p = 0; p < 4; ++p) pairs[p] = interleave_quads(weights[2 * p], weights[2 * p + 1]);
 }
 
 // A row's integer sums over quad pairs [Begin, End) of two tiles (``first`` and ``second``), its bytes at ``values``:

@@ -15,7 +15,13 @@ from tiny import drafter_for, make_tiny_model, repetitive_prompt
 
 from draftwise.backend.calibration.invariance import check_trees, plan_rows
 from draftwise.backend.calibration.machine import MeasurementStore
-from draftwise.backend.forward.graphed import STEP_ROWS, TREE_DEPTH, GraphedLeanTarget, lean_target
+from draftwise.backend.forward.graphed import (
+    FLOAT32_STEP_ROWS,
+    STEP_ROWS,
+    TREE_DEPTH,
+    GraphedLeanTarget,
+    lean_target,
+)
 from draftwise.backend.forward.lean import LayerSkip, LeanTarget
 from draftwise.backend.rows import RowBlock
 
@@ -84,9 +90,10 @@ def test_verification_rows_are_bitwise_plain_decoding(dtype, device):
     assert report.exact, report.mismatches[:3]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, depth, length", [(100, 9, 40), (70, TREE_DEPTH, 61), (STEP_ROWS + 1, 2, 127)])
-def test_trees_over_several_steps_and_deep_paths_are_bitwise_plain(rows, depth, length, device):
-    target = graphed("llama", torch.bfloat16, device, seed=2)
+def test_trees_over_several_steps_and_deep_paths_are_bitwise_plain(rows, depth, length, dtype, device):
+    target = graphed("llama", dtype, device, seed=2)
     rng = random.Random(rows)
     prompt = [rng.randrange(target.config.vocab_size) for _ in range(length)]
     block = random_tree(rng, rows, target.config.vocab_size, depth)
@@ -128,7 +135,19 @@ def test_methods_alone_and_batched_give_ar_ids(method, device, tmp_path):
 def test_the_plan_is_fixed_and_checked(tmp_path):
     target = graphed("llama")
     plan = plan_rows(target, MeasurementStore(tmp_path))
-    assert plan.exact and target.exact_trees and plan.linear_fixed and target.linear_min_rows == STEP_ROWS
+    assert plan.exact and target.exact_trees and plan.linear_fixed and target.linear_min_rows == target.step_rows
+
+
+def test_step_rows_follow_the_dtype_or_the_caller():
+    """16-bit steps are as wide as tensor cores make cheap, float32 ones narrower; any width keeps rows bitwise."""
+    assert graphed("llama", torch.bfloat16).step_rows == STEP_ROWS
+    assert graphed("llama", torch.float32).step_rows == FLOAT32_STEP_ROWS
+    target = GraphedLeanTarget(make_tiny_model("qwen2", seed=3), step_rows=5)
+    assert target.linear_min_rows == 5
+    report = check_trees(target, trials=8, steps=30, prompt_length=20, seed=3)
+    assert report.exact, report.mismatches[:3]
+    with pytest.raises(ValueError, match="step_rows"):
+        GraphedLeanTarget(make_tiny_model("qwen2", seed=3), step_rows=0)
 
 
 def test_a_finished_sequence_slot_serves_the_next():

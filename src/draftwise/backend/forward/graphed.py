@@ -4,7 +4,8 @@ A small model's step on a GPU is bound by its launches, not by the device: the l
 a token, each launched by the interpreter, and a fast GPU waits on a slow host most of the time. Here every step of
 a sequence has the same shape, so that one captured graph replays it with one launch:
 
-- **rows**: every product runs at exactly :data:`STEP_ROWS` rows (a block of more rows runs as several steps, a block
+- **rows**: every product runs at exactly :attr:`~GraphedLeanTarget.step_rows` rows (:data:`STEP_ROWS` in 16-bit
+  dtypes, :data:`FLOAT32_STEP_ROWS` in float32; a block of more rows runs as several steps, a block
   of fewer is padded): GPU libraries choose their kernel by the row count at every size, so one shape is the one way
   a row's bits cannot depend on how many rows share its step;
 - **attention in two fixed parts**: a sequence's keys and values live in one ``(layers, kv_heads, positions,
@@ -36,8 +37,11 @@ from ..rows import CACHE, RowBlock, is_chain
 from ..target import ForwardOutput, last_rows_only
 from .lean import BLOCK, LayerSkip, LeanTarget, model_device
 
-#: Rows of every step: a product of 64 rows costs about what one row does on a GPU.
+#: Rows of every step in a 16-bit dtype: on a GPU's tensor cores a product of 64 rows costs about what one row does.
 STEP_ROWS = 64
+#: Rows of every step in float32, whose products run on the GPU's plain cores: there 64 rows cost several times one
+#: row, while 16 rows cost little more than reading the weights once.
+FLOAT32_STEP_ROWS = 16
 #: Most rows of one sequence's draft tree in a forward (a chain of any length runs as consecutive steps).
 TREE_ROWS = 256
 #: Most depth of a draft tree's rows below the committed cache.
@@ -51,15 +55,15 @@ class _Slot:
     """One sequence's device state: its keys and values, the step's inputs, and the graph captured over them."""
 
     @torch.inference_mode(False)  # (updated in place by steps run in and out of inference mode alike)
-    def __init__(self, layers: int, kv_heads: int, positions: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, layers: int, kv_heads: int, positions: int, head_dim: int, rows: int, dtype, device) -> None:
         shape = (layers, kv_heads, positions, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         # tokens, positions and cache slots of the step's rows, then the committed length the rows follow.
-        self.inputs = torch.zeros(3 * STEP_ROWS + 1, dtype=torch.long, device=device)
-        self.inputs[2 * STEP_ROWS : 3 * STEP_ROWS] = positions - 1  # padding rows write the scratch position
+        self.inputs = torch.zeros(3 * rows + 1, dtype=torch.long, device=device)
+        self.inputs[2 * rows : 3 * rows] = positions - 1  # padding rows write the scratch position
         #: ``path[i, k]``: the block row (written at committed length + it) of row ``i``'s ancestor at depth ``k``.
-        self.path = torch.zeros(STEP_ROWS, TREE_DEPTH, dtype=torch.long, device=device)
+        self.path = torch.zeros(rows, TREE_DEPTH, dtype=torch.long, device=device)
         self.graph: Any = None
         self.states: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
@@ -101,27 +105,37 @@ class GraphedLeanTarget(LeanTarget):
         span: most positions a sequence may reach (default: the model's context length); every row's attention
             runs over this many, so a smaller span is cheaper, and a longer sequence is an error.
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
+        step_rows: rows of every step (default :data:`STEP_ROWS` in 16-bit dtypes, :data:`FLOAT32_STEP_ROWS` in
+            float32). A longer block runs as several steps; a sequence's bits depend on this number.
         options: :class:`LeanTarget`'s ``packed``, and its ``quantization``, ``quantized`` and ``embedding`` for
             block-quantised products, dequantised at each step on the device
             (:class:`~draftwise.backend.weights.quantized.DequantizedLinear`).
     """
 
-    def __init__(self, model: Any, span: int | None = None, graphs: bool | None = None, **options: Any) -> None:
+    def __init__(self, model: Any, span: int | None = None, graphs: bool | None = None, step_rows: int | None = None,
+                 **options: Any) -> None:
+        if step_rows is None:
+            step_rows = FLOAT32_STEP_ROWS if model.dtype == torch.float32 else STEP_ROWS
+        if step_rows < 1:
+            raise ValueError(f"step_rows must be at least 1, not {step_rows}")
+        #: Rows of every step (every product runs at exactly this many).
+        self.step_rows = int(step_rows)
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
-        super().__init__(model, STEP_ROWS, STEP_ROWS, kernel=False, linear_fixed=True, **options)
+        super().__init__(model, self.step_rows, self.step_rows, kernel=False, linear_fixed=True, **options)
         self.span = self.context_length if span is None else int(span)
         if not 0 < self.span <= self.context_length:
             raise ValueError(f"span must be 1..{self.context_length} (the model's context), not {span}")
         # Room for a tree after the last committed position, and a last position that padding rows write.
-        self.positions = -(-(self.span + TREE_ROWS + 1) // STEP_ROWS) * STEP_ROWS
+        self.positions = -(-(self.span + TREE_ROWS + 1) // self.step_rows) * self.step_rows
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self._columns = torch.arange(self.positions, device=self.device)
-        self._chain_path = torch.arange(TREE_DEPTH, device=self.device).expand(STEP_ROWS, TREE_DEPTH).contiguous()
+        self._chain_path = torch.arange(TREE_DEPTH, device=self.device).expand(self.step_rows, TREE_DEPTH).contiguous()
         self._window_offsets = torch.arange(WINDOW, device=self.device)
         with torch.inference_mode(False):  # (written at every step, in and out of inference mode)
-            self._staging = torch.zeros(3 * STEP_ROWS + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self._staging = torch.zeros(3 * self.step_rows + 1, dtype=torch.long,
+                                        pin_memory=self.device.type == "cuda")
         self._free: list[_Slot] = []
         self._pool: Any = None
 
@@ -133,7 +147,7 @@ class GraphedLeanTarget(LeanTarget):
 
     def new_cache(self, capacity: int) -> SpanCache:
         slot = self._free.pop() if self._free else _Slot(
-            len(self.layers), self.kv_heads, self.positions, self.head_dim, self.dtype, self.device)
+            len(self.layers), self.kv_heads, self.positions, self.head_dim, self.step_rows, self.dtype, self.device)
         cache = SpanCache(slot)
         weakref.finalize(cache, self._free.append, slot)  # a finished sequence's slot (and graph) serves the next
         return cache
@@ -162,7 +176,7 @@ class GraphedLeanTarget(LeanTarget):
         skip: LayerSkip | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ForwardOutput:
-        """See :meth:`LeanTarget.forward`. Each sequence runs on its own, in steps of :data:`STEP_ROWS` rows."""
+        """See :meth:`LeanTarget.forward`. Each sequence runs on its own, in steps of :attr:`step_rows` rows."""
         logits, states = [], []
         for cache, block, last in zip(caches, blocks, last_rows_only(last_only, len(blocks))):
             sequence_logits, sequence_states = self._sequence(cache, block, last, skip, head)
@@ -190,24 +204,24 @@ class GraphedLeanTarget(LeanTarget):
                                  f"verifies ({TREE_ROWS} rows, depth {TREE_DEPTH})")
             paths = _tree_paths(block.parents, depths)
         logits, states = [], []
-        slot = cache.slot
-        for first in range(0, rows, STEP_ROWS):
-            count = min(STEP_ROWS, rows - first)
+        slot, step = cache.slot, self.step_rows
+        for first in range(0, rows, step):
+            count = min(step, rows - first)
             # A chain's earlier steps are committed for its later ones: each step is a chain of its own.
             base = committed + first if chain else committed
             staging = self._staging
             staging.zero_()
             staging[:count] = torch.tensor(block.tokens[first : first + count])
-            staging[STEP_ROWS : STEP_ROWS + count] = torch.tensor(
+            staging[step : step + count] = torch.tensor(
                 [committed + depth for depth in depths[first : first + count]])
-            staging[2 * STEP_ROWS : 3 * STEP_ROWS] = self.positions - 1  # padding rows write the scratch position
-            staging[2 * STEP_ROWS : 2 * STEP_ROWS + count] = torch.arange(committed + first, committed + first + count)
-            staging[3 * STEP_ROWS] = base
+            staging[2 * step : 3 * step] = self.positions - 1  # padding rows write the scratch position
+            staging[2 * step : 2 * step + count] = torch.arange(committed + first, committed + first + count)
+            staging[3 * step] = base
             slot.inputs.copy_(staging)
             if chain:
                 slot.path.copy_(self._chain_path)
             else:
-                step_paths = torch.zeros(STEP_ROWS, TREE_DEPTH, dtype=torch.long)
+                step_paths = torch.zeros(step, TREE_DEPTH, dtype=torch.long)
                 step_paths[:count] = paths[first : first + count]
                 slot.path.copy_(step_paths)
             step_states, step_logits = self._step(slot, skip, want_logits=head is None)
@@ -224,7 +238,7 @@ class GraphedLeanTarget(LeanTarget):
         return (logits[0] if len(logits) == 1 else torch.cat(logits)), all_states
 
     def _step(self, slot: _Slot, skip: LayerSkip | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step over ``slot``'s inputs: the final normed states and the logits of all :data:`STEP_ROWS` rows
+        """The step over ``slot``'s inputs: the final normed states and the logits of all ``step_rows`` rows
         (static buffers when replayed: read them before the next step)."""
         if skip is not None or not self.graphs:
             states = self._layers(slot, skip)
@@ -253,10 +267,10 @@ class GraphedLeanTarget(LeanTarget):
         slot.graph, slot.states, slot.logits = graph, states, logits
 
     def _layers(self, slot: _Slot, skip: LayerSkip | None) -> torch.Tensor:
-        """The decoder layers over the step's rows; returns the final normed states ``(STEP_ROWS, hidden)``."""
-        inputs = slot.inputs
-        tokens, positions = inputs[:STEP_ROWS], inputs[STEP_ROWS : 2 * STEP_ROWS]
-        written, committed = inputs[2 * STEP_ROWS : 3 * STEP_ROWS], inputs[3 * STEP_ROWS]
+        """The decoder layers over the step's rows; returns the final normed states ``(step_rows, hidden)``."""
+        inputs, step = slot.inputs, self.step_rows
+        tokens, positions = inputs[:step], inputs[step : 2 * step]
+        written, committed = inputs[2 * step : 3 * step], inputs[3 * step]
         # Each row's window starts at a block boundary fixed by its own position, at least TREE_DEPTH before it:
         # every position before the window is committed whatever the step, and the window holds the row's path.
         window_start = ((positions - (TREE_DEPTH - 1)).div(BLOCK, rounding_mode="floor") * BLOCK).clamp(min=0)
@@ -284,24 +298,24 @@ class GraphedLeanTarget(LeanTarget):
         slots, then each row over the positions before its window (in place, one product for every row) and over
         its window (gathered per row, so that its path's keys sit at their positions, as in plain decoding); the
         two parts share one maximum and one normaliser."""
-        heads, kv_heads, head_dim, group = self.heads, self.kv_heads, self.head_dim, self.group
+        heads, kv_heads, head_dim, group, step = self.heads, self.kv_heads, self.head_dim, self.group, self.step_rows
         qkv = layer.qkv(self._rms_norm(hidden, layer.attention_norm))
-        query_key = self._rotate(qkv[:, : (heads + kv_heads) * head_dim].view(STEP_ROWS, heads + kv_heads, head_dim),
+        query_key = self._rotate(qkv[:, : (heads + kv_heads) * head_dim].view(step, heads + kv_heads, head_dim),
                                  cos, sin)
-        values = qkv[:, (heads + kv_heads) * head_dim :].view(STEP_ROWS, kv_heads, head_dim)
+        values = qkv[:, (heads + kv_heads) * head_dim :].view(step, kv_heads, head_dim)
         keys_cache, values_cache = slot.keys[index], slot.values[index]  # (kv_heads, positions, head_dim)
         keys_cache.index_copy_(1, written, query_key[:, heads:].transpose(0, 1))
         values_cache.index_copy_(1, written, values.transpose(0, 1))
-        queries = query_key[:, :heads].reshape(STEP_ROWS, kv_heads, group, head_dim)
+        queries = query_key[:, :heads].reshape(step, kv_heads, group, head_dim)
         # Before the window: every key/value head with its group's query rows as one batch entry.
         span_output, span_log_sum = self._span_part(
-            queries.permute(1, 2, 0, 3).reshape(1, kv_heads, group * STEP_ROWS, head_dim), keys_cache[None],
+            queries.permute(1, 2, 0, 3).reshape(1, kv_heads, group * step, head_dim), keys_cache[None],
             values_cache[None], parts.span_mask)
-        span_output = span_output.view(kv_heads, group, STEP_ROWS, head_dim).permute(2, 0, 1, 3).float()
-        span_log_sum = span_log_sum.view(kv_heads, group, STEP_ROWS).permute(2, 0, 1)  # (rows, kv, group)
+        span_output = span_output.view(kv_heads, group, step, head_dim).permute(2, 0, 1, 3).float()
+        span_log_sum = span_log_sum.view(kv_heads, group, step).permute(2, 0, 1)  # (rows, kv, group)
         # The window: (rows, kv, WINDOW, dim) keys and values along each row's own path.
-        window_keys = keys_cache.index_select(1, parts.window_slots).view(kv_heads, STEP_ROWS, WINDOW, head_dim)
-        window_values = values_cache.index_select(1, parts.window_slots).view(kv_heads, STEP_ROWS, WINDOW, head_dim)
+        window_keys = keys_cache.index_select(1, parts.window_slots).view(kv_heads, step, WINDOW, head_dim)
+        window_values = values_cache.index_select(1, parts.window_slots).view(kv_heads, step, WINDOW, head_dim)
         scores = torch.matmul(queries, window_keys.transpose(0, 1).transpose(2, 3)).float() * self.scale
         scores = scores.masked_fill(~parts.in_window[:, None, None, :], float("-inf"))  # (rows, kv, group, WINDOW)
         maximum = torch.maximum(scores.amax(-1), span_log_sum)
@@ -310,7 +324,7 @@ class GraphedLeanTarget(LeanTarget):
         window_sum = torch.matmul(weights.to(self.dtype), window_values.transpose(0, 1)).float()
         total = span_output.nan_to_num() * span_weight[..., None] + window_sum
         output = (total / (weights.sum(-1) + span_weight)[..., None]).to(self.dtype)
-        return layer.output(output.reshape(STEP_ROWS, heads * head_dim))
+        return layer.output(output.reshape(step, heads * head_dim))
 
     def _span_part(self, queries, keys, values, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``queries`` over ``keys`` with an additive ``mask``: the normalised output and each row's

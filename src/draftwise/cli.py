@@ -449,12 +449,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if ray_only or args.no_session_affinity:
         raise InvalidRequestError(f"{', '.join(ray_only) or '--no-session-affinity'} needs --ray")
     uvicorn, ServingEngine, create_app = _serve_dependencies()
-    target, tokenizer = _load(args)
+    from .serve.engine import on_passing_thread
+
+    def build():
+        target, tokenizer = _load(args)
+        if tokenizer is None:
+            raise InvalidRequestError(f"{args.model} has no tokenizer: the server needs one")
+        return ServingEngine(target, tokenizer, args.method, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                             budget=args.budget, max_prefill_rows=args.max_prefill_rows)
+
+    # (torch's work then runs on the engine's thread alone: see on_passing_thread)
+    engine = on_passing_thread(build)
     _settle_heap()
-    if tokenizer is None:
-        raise InvalidRequestError(f"{args.model} has no tokenizer: the server needs one")
-    engine = ServingEngine(target, tokenizer, args.method, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                           budget=args.budget, max_prefill_rows=args.max_prefill_rows)
     name = args.served_model_name or args.model
     app = create_app(engine, name, args.default_max_tokens)
     print(f"draftwise: serving {name} with {args.method} on http://{args.host}:{args.port}/v1 "

@@ -10,6 +10,7 @@ import json
 import random
 import resource
 import socket
+import threading
 import time
 
 import openai
@@ -29,6 +30,7 @@ from draftwise.decoding.logprobs import token_logprobs
 from draftwise.decoding.sampling import SamplingParams
 from draftwise.errors import UnsupportedOptionError
 from draftwise.serve import ServerBusyError, ServingEngine
+from draftwise.serve.engine import on_passing_thread
 from draftwise.serve.load import RequestRecord, read_results, run_load, speculation_between, sweep
 
 
@@ -514,3 +516,15 @@ def test_loadtest_command_writes_results_a_chart_and_compares(server, tmp_path, 
     assert chart.stat().st_size > 10_000
     assert cli.main(["loadtest", "--no-run", "--compare", str(tmp_path / "first.json")]) == 0
     assert "first" in capsys.readouterr().out
+
+
+def test_a_server_is_built_on_a_passing_thread():
+    """The model is loaded on a thread that ends with the load (its CPU thread pool with it), not on this one; its
+    result or its error comes back here."""
+    assert on_passing_thread(threading.get_ident) != threading.get_ident()
+
+    def failing():
+        raise draftwise.InvalidRequestError("no tokenizer")
+
+    with pytest.raises(draftwise.InvalidRequestError, match="no tokenizer"):
+        on_passing_thread(failing)

@@ -38,7 +38,7 @@ from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
 from ..errors import InvalidRequestError, ModelLoadError
 from .app import DEFAULT_MAX_TOKENS, create_app
-from .engine import DEFAULT_MAX_WAITING, ServingEngine
+from .engine import DEFAULT_MAX_WAITING, ServingEngine, on_passing_thread
 from .metrics import LATENCY_BUCKETS, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -181,18 +181,23 @@ class DraftwiseReplica:
 
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        if callable(spec.model):
-            target, tokenizer = spec.model()
-        else:
-            from ..models import load_model
 
-            target, tokenizer = load_model(spec.model, progress=False, **spec.load_options)
-        if tokenizer is None:
-            raise InvalidRequestError(f"{spec.served_model_name} has no tokenizer: the server needs one")
+        def build() -> ServingEngine:
+            if callable(spec.model):
+                target, tokenizer = spec.model()
+            else:
+                from ..models import load_model
+
+                target, tokenizer = load_model(spec.model, progress=False, **spec.load_options)
+            if tokenizer is None:
+                raise InvalidRequestError(f"{spec.served_model_name} has no tokenizer: the server needs one")
+            return ServingEngine(target, tokenizer, spec.method, max_batch=spec.max_batch,
+                                 max_waiting=spec.max_waiting, budget=spec.budget, metrics=RayServerMetrics(),
+                                 max_prefill_rows=spec.max_prefill_rows)
+
         self.spec = spec
-        self.engine = ServingEngine(target, tokenizer, spec.method, max_batch=spec.max_batch,
-                                    max_waiting=spec.max_waiting, budget=spec.budget, metrics=RayServerMetrics(),
-                                    max_prefill_rows=spec.max_prefill_rows)
+        # (torch's work then runs on the engine's thread alone: see on_passing_thread)
+        self.engine = on_passing_thread(build)
         self.engine.start()
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -5,7 +5,8 @@
 #   bash docs/results/serving/run.sh [OUT]
 # The anchors start from the commands in $VLLM_SERVER and $LLAMACPP_SERVER (scripts taking the port, then more flags
 # for `python -m vllm.entrypoints.openai.api_server` / `python -m llama_cpp.server`; see README.md here); a server
-# whose command is unset is left out. SERVERS limits the run to some of "ar pld vllm llamacpp".
+# whose command is unset is left out. SERVERS limits the run to some of "ar pld vllm llamacpp"; DRAFTWISE_FLAGS adds
+# flags to the draftwise servers (e.g. "--weights float") and LABEL_SUFFIX to their labels (e.g. " bf16").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 out="${1:-docs/results/serving}"
@@ -43,8 +44,9 @@ run_server() {  # label port extra-body datasets command...
 servers="${SERVERS:-ar pld vllm llamacpp}"
 for method in ar pld; do
     [[ " $servers " == *" $method "* ]] || continue
-    run_server "draftwise $method" 8200 "" "synthetic spec-bench" \
-        draftwise serve --model smollm2-135m --method "$method" --max-batch 16 --port 8200 --log-level warning
+    run_server "draftwise $method${LABEL_SUFFIX:-}" 8200 "" "synthetic spec-bench" \
+        draftwise serve --model smollm2-135m --method "$method" --max-batch 16 --port 8200 --log-level warning \
+        ${DRAFTWISE_FLAGS:-}
 done
 if [ -n "${VLLM_SERVER:-}" ] && [[ " $servers " == *" vllm "* ]]; then run_server "vLLM CPU" 8300 "" "synthetic spec-bench" "$VLLM_SERVER" 8300; fi
 # llama.cpp's server ignores ignore_eos: a ban on its end-of-turn token (id 2) keeps answers to length.

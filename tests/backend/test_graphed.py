@@ -91,7 +91,9 @@ def test_verification_rows_are_bitwise_plain_decoding(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows, depth, length", [(100, 9, 40), (70, TREE_DEPTH, 61), (STEP_ROWS + 1, 2, 127)])
+@pytest.mark.parametrize("rows, depth, length", [
+    (100, 9, 40), (70, TREE_DEPTH, 61), (STEP_ROWS + 1, 2, 127), (FLOAT32_STEP_ROWS + 1, 2, 100),
+])
 def test_trees_over_several_steps_and_deep_paths_are_bitwise_plain(rows, depth, length, dtype, device):
     target = graphed("llama", dtype, device, seed=2)
     rng = random.Random(rows)
@@ -146,8 +148,9 @@ def test_step_rows_follow_the_dtype_or_the_caller():
     assert target.linear_min_rows == 5
     report = check_trees(target, trials=8, steps=30, prompt_length=20, seed=3)
     assert report.exact, report.mismatches[:3]
-    with pytest.raises(ValueError, match="step_rows"):
-        GraphedLeanTarget(make_tiny_model("qwen2", seed=3), step_rows=0)
+    for wrong in (0, TREE_DEPTH + 1):
+        with pytest.raises(ValueError, match="step_rows"):
+            GraphedLeanTarget(make_tiny_model("qwen2", seed=3), step_rows=wrong)
 
 
 def test_a_finished_sequence_slot_serves_the_next():

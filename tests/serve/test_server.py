@@ -521,7 +521,8 @@ def test_loadtest_command_writes_results_a_chart_and_compares(server, tmp_path, 
 def test_a_server_is_built_on_a_passing_thread():
     """The model is loaded on a thread that ends with the load (its CPU thread pool with it), not on this one; its
     result or its error comes back here."""
-    assert on_passing_thread(threading.get_ident) != threading.get_ident()
+    thread = on_passing_thread(threading.current_thread)
+    assert thread is not threading.current_thread() and not thread.is_alive()
 
     def failing():
         raise draftwise.InvalidRequestError("no tokenizer")

@@ -12,7 +12,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -44,11 +43,24 @@ def on_passing_thread(build: Callable[[], T]) -> T:
     work. While the pools hold more threads than the machine has cores, their workers spin only a moment before
     sleeping, so that every parallel region (every product of a forward) starts by waking one: on two cores a
     16-row product from the engine's thread took 85 us after the main thread had loaded the model, 33 us with no
-    other pool, and a server decoded at two thirds of :func:`draftwise.generate`'s speed. A pool goes with its
-    thread, so loading on a passing thread leaves the engine's thread the only one.
+    other pool, and :func:`draftwise.generate` run on such a thread decoded at two thirds of its speed on the main
+    thread. A pool goes with its thread, so loading on a passing thread leaves the engine's thread the only one.
     """
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftwise-load") as pool:
-        return pool.submit(build).result()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = build()
+        except BaseException as error:  # noqa: BLE001 - raised again on the calling thread
+            outcome["error"] = error
+
+    # A daemon thread: an interrupt of the caller (Ctrl-C during a long load) ends the process without waiting for it.
+    thread = threading.Thread(target=run, name="draftwise-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 class ServerBusyError(DraftwiseError):

@@ -208,6 +208,7 @@ def model_shape(target: Any) -> dict[str, Any]:
         "vocab": config.vocab_size,
         "packed": getattr(target, "packed", None),
         "block": getattr(target, "block", None),
+        "step_rows": getattr(target, "step_rows", None),  # (the graphed forward's fixed step width)
         "attention": getattr(target, "attention_path", None),
         "linear": getattr(target, "linear_path", None),
         "activation_bits": getattr(target, "kernel_activation_bits", None),

@@ -5,9 +5,9 @@ a token, each launched by the interpreter, and a fast GPU waits on a slow host m
 a sequence has the same shape, so that one captured graph replays it with one launch:
 
 - **rows**: every product runs at exactly :attr:`~GraphedLeanTarget.step_rows` rows (:data:`STEP_ROWS` in 16-bit
-  dtypes, :data:`FLOAT32_STEP_ROWS` in float32; a block of more rows runs as several steps, a block
-  of fewer is padded): GPU libraries choose their kernel by the row count at every size, so one shape is the one way
-  a row's bits cannot depend on how many rows share its step;
+  dtypes, :data:`FLOAT32_STEP_ROWS` in float32; a block of more rows runs as several steps, a block of fewer is
+  padded): GPU libraries choose their kernel by the row count at every size, so one shape is the one way a row's
+  bits cannot depend on how many rows share its step;
 - **attention in two fixed parts**: a sequence's keys and values live in one ``(layers, kv_heads, positions,
   head_dim)`` buffer as long as the model's context. Each row's *window* starts at a block boundary set by its own
   position alone, at least :data:`TREE_DEPTH` positions back; everything before it is committed, and one product over
@@ -105,8 +105,9 @@ class GraphedLeanTarget(LeanTarget):
         span: most positions a sequence may reach (default: the model's context length); every row's attention
             runs over this many, so a smaller span is cheaper, and a longer sequence is an error.
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
-        step_rows: rows of every step (default :data:`STEP_ROWS` in 16-bit dtypes, :data:`FLOAT32_STEP_ROWS` in
-            float32). A longer block runs as several steps; a sequence's bits depend on this number.
+        step_rows: rows of every step, at most :data:`TREE_DEPTH` (default :data:`STEP_ROWS` in 16-bit dtypes,
+            :data:`FLOAT32_STEP_ROWS` in float32). A longer block runs as several steps; a sequence's bits depend on
+            this number.
         options: :class:`LeanTarget`'s ``packed``, and its ``quantization``, ``quantized`` and ``embedding`` for
             block-quantised products, dequantised at each step on the device
             (:class:`~draftwise.backend.weights.quantized.DequantizedLinear`).
@@ -116,8 +117,8 @@ class GraphedLeanTarget(LeanTarget):
                  **options: Any) -> None:
         if step_rows is None:
             step_rows = FLOAT32_STEP_ROWS if model.dtype == torch.float32 else STEP_ROWS
-        if step_rows < 1:
-            raise ValueError(f"step_rows must be at least 1, not {step_rows}")
+        if not 1 <= step_rows <= TREE_DEPTH:  # (a chain step's rows find their ancestors within TREE_DEPTH)
+            raise ValueError(f"step_rows must be 1..{TREE_DEPTH}, not {step_rows}")
         #: Rows of every step (every product runs at exactly this many).
         self.step_rows = int(step_rows)
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).

@@ -77,8 +77,8 @@ class LayerSkip:
 
 
 #: The forward paths of this module, by :meth:`LeanTarget.forward_path` (prefills: :meth:`LeanTarget.prefill`; CUDA
-#: devices run :class:`~draftwise.backend.forward.graphed.GraphedLeanTarget` instead, fixed 64-row steps replayed as
-#: CUDA graphs, one sequence at a time):
+#: devices run :class:`~draftwise.backend.forward.graphed.GraphedLeanTarget` instead, fixed-row steps (64 rows in
+#: 16-bit dtypes, 16 in float32) replayed as CUDA graphs, one sequence at a time):
 #:
 #: ============  ==========================================  =====================================================
 #: path          runs for                                     attention, and the layers

@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -53,6 +54,8 @@ constexpr int64_t kCacheBlock = 64;
 // measured best with the weights streaming between layers (cold caches): against 32, 8% less for one row at 500
 // positions, 13% at 1500, 7% for eight sequences' rows at 500; 96 and 128 were slower again, as was an L2 hint.
 constexpr int64_t kPrefetchAhead = 64;
+// Fewest rows of a sequence's run that splitting for the threads' shares makes (see ragged_attention).
+constexpr int64_t kFewestSplitRows = 16;
 
 // Where one sequence's rows find their keys and values: the committed ones in the block cache of one layer and key
 // head, this forward's in the new rows.
@@ -851,33 +854,50 @@ at::Tensor ragged_attention(
         }
         const int64_t block_stride = key_caches[0].stride(1), head_stride = key_caches[0].stride(2);
         scalar_t* out = output.data_ptr<scalar_t>();
-        // Rows of one sequence are consecutive: find each sequence's first row. With fewer (sequence, head) tasks
-        // than a few per thread, a sequence's rows are split into runs of their own (a row's result does not depend
-        // on which rows share its run), so that threads get even shares: one sequence's tree over three key heads
-        // would leave one of two threads idle a third of the time.
+        // Rows of one sequence are consecutive: find each sequence's first row. A sequence's rows are split into runs
+        // of their own (a row's result does not depend on which rows share its run), so that threads get even shares:
+        // into enough runs for a few (run, key head) tasks per thread where there are few sequences (one sequence's
+        // tree over three key heads would leave one of two threads idle a third of the time), and into runs of at
+        // most a few tasks' share of all the rows where one sequence holds most of them (a prompt piece beside other
+        // sequences' decoding rows: whole, its runs went to one thread while the other finished the rest and waited).
+        // Runs of fewer than kFewestSplitRows rows are not split further: each run reads its committed keys again.
+        // Threads take the tasks as they come free, the runs with the most rows and keys first.
         std::vector<int64_t> starts;
         for (int64_t row = 0; row < rows; ++row)
             if (row == 0 || sequence_of[row] != sequence_of[row - 1]) starts.push_back(row);
         const int64_t sequences = static_cast<int64_t>(starts.size());
         starts.push_back(rows);
-        const int64_t wanted = 4 * at::get_num_threads();
+        const int64_t threads = at::get_num_threads();
+        const int64_t wanted = 4 * threads;
         const int64_t parts = std::max<int64_t>(1, (wanted + sequences * kv_heads - 1) / (sequences * kv_heads));
+        const int64_t most_rows = std::max<int64_t>(kFewestSplitRows, (rows + wanted - 1) / wanted);
         std::vector<int64_t> firsts;
         for (int64_t s = 0; s < sequences; ++s) {
             const int64_t first = starts[s], count = starts[s + 1] - first;
-            const int64_t pieces = std::min(parts, count);
+            const int64_t pieces = std::min(count, std::max(parts, (count + most_rows - 1) / most_rows));
             for (int64_t piece = 0; piece < pieces; ++piece) firsts.push_back(first + count * piece / pieces);
         }
         firsts.push_back(rows);
         const int64_t runs = static_cast<int64_t>(firsts.size()) - 1;
-        at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> order(runs);  // runs by their work (rows times the keys of their last row), most first
+        std::vector<int64_t> work(runs);
+        for (int64_t run = 0; run < runs; ++run) {
+            const int64_t last = firsts[run + 1] - 1;
+            work[run] = (firsts[run + 1] - firsts[run]) * (committed_of[last] + offsets[last + 1] - offsets[last]);
+            order[run] = run;
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+        const int64_t tasks = runs * kv_heads;
+        std::atomic<int64_t> next_task{0};
+        at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
             Scratch scratch;
             std::vector<const scalar_t*> row_queries;
             std::vector<scalar_t*> row_outputs;
             std::vector<const int64_t*> row_paths;
             std::vector<int64_t> row_path_lengths;
-            for (int64_t task = begin; task < end; ++task) {
-                const int64_t run = task / kv_heads, head = task % kv_heads;
+            for (int64_t task = next_task.fetch_add(1, std::memory_order_relaxed); task < tasks;
+                 task = next_task.fetch_add(1, std::memory_order_relaxed)) {
+                const int64_t run = order[task / kv_heads], head = task % kv_heads;
                 const int64_t first = firsts[run], count = firsts[run + 1] - first;
                 const int64_t sequence = sequence_of[first];
                 SequenceView<scalar_t> view{key_bases[sequence] + head * head_stride,

@@ -54,8 +54,9 @@ constexpr int64_t kCacheBlock = 64;
 // measured best with the weights streaming between layers (cold caches): against 32, 8% less for one row at 500
 // positions, 13% at 1500, 7% for eight sequences' rows at 500; 96 and 128 were slower again, as was an L2 hint.
 constexpr int64_t kPrefetchAhead = 64;
-// Fewest rows of a sequence's run that splitting for the threads' shares makes (see ragged_attention).
-constexpr int64_t kFewestSplitRows = 16;
+// The smallest cap on a run's rows in the split by size (see ragged_attention): a sequence of this many rows or
+// fewer stays whole there, since each run reads its committed keys again.
+constexpr int64_t kSmallestRunCap = 16;
 
 // Where one sequence's rows find their keys and values: the committed ones in the block cache of one layer and key
 // head, this forward's in the new rows.
@@ -860,7 +861,7 @@ at::Tensor ragged_attention(
         // tree over three key heads would leave one of two threads idle a third of the time), and into runs of at
         // most a few tasks' share of all the rows where one sequence holds most of them (a prompt piece beside other
         // sequences' decoding rows: whole, its runs went to one thread while the other finished the rest and waited).
-        // Runs of fewer than kFewestSplitRows rows are not split further: each run reads its committed keys again.
+        // The size split caps runs at no fewer than kSmallestRunCap rows: each run reads its committed keys again.
         // Threads take the tasks as they come free, the runs with the most rows and keys first.
         std::vector<int64_t> starts;
         for (int64_t row = 0; row < rows; ++row)
@@ -870,7 +871,7 @@ at::Tensor ragged_attention(
         const int64_t threads = at::get_num_threads();
         const int64_t wanted = 4 * threads;
         const int64_t parts = std::max<int64_t>(1, (wanted + sequences * kv_heads - 1) / (sequences * kv_heads));
-        const int64_t most_rows = std::max<int64_t>(kFewestSplitRows, (rows + wanted - 1) / wanted);
+        const int64_t most_rows = std::max<int64_t>(kSmallestRunCap, (rows + wanted - 1) / wanted);
         std::vector<int64_t> firsts;
         for (int64_t s = 0; s < sequences; ++s) {
             const int64_t first = starts[s], count = starts[s + 1] - first;

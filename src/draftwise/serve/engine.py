@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -46,21 +47,20 @@ def on_passing_thread(build: Callable[[], T]) -> T:
     other pool, and :func:`draftwise.generate` run on such a thread decoded at two thirds of its speed on the main
     thread. A pool goes with its thread, so loading on a passing thread leaves the engine's thread the only one.
     """
-    outcome: dict[str, Any] = {}
+    outcome: Future[T] = Future()
 
     def run() -> None:
         try:
-            outcome["result"] = build()
-        except BaseException as error:  # noqa: BLE001 - raised again on the calling thread
-            outcome["error"] = error
+            outcome.set_result(build())
+        except BaseException as error:  # noqa: BLE001 - raised again on the calling thread, by result()
+            outcome.set_exception(error)
 
-    # A daemon thread: an interrupt of the caller (Ctrl-C during a long load) ends the process without waiting for it.
+    # A daemon thread (not an executor's): an interrupt of the caller (Ctrl-C during a long load) ends the process
+    # without waiting for it.
     thread = threading.Thread(target=run, name="draftwise-load", daemon=True)
     thread.start()
     thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+    return outcome.result()
 
 
 class ServerBusyError(DraftwiseError):

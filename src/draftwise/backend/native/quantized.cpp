@@ -853,10 +853,10 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
-// Tile pairs, for calls of kTilePairsFromRows rows or more: the quad pairs of two neighbouring tiles fed by the same
-// broadcast of a row's activations, and the float32 steps of a group and row on sixteen outputs a vector (tile t's
-// eight in lanes 0-7, tile t + 1's in lanes 8-15). Each output's lane pair is added into exactly the integer sum
-// tile_rows takes (formats with two scales a group, Q6_K, sum quads 0-3 and 4-7 apart, as tile_rows does) and the
+// Tile pairs, for calls of kTilePairsFromRows rows or more: the quads of two neighbouring tiles side by side in one
+// vector (tile t's eight outputs in lanes 0-7, tile t + 1's in lanes 8-15) fed by one broadcast of a row's
+// activations, and the float32 steps of a group and row on sixteen outputs a vector. Each lane sums exactly the
+// integers tile_rows takes (formats with two scales a group, Q6_K, sum quads 0-3 and 4-7 apart, as tile_rows does) and the
 // float32 steps are add_group_value's in the same order: bitwise the same products. Measured on a two-core Zen 5
 // against the kernels above (8960 x 1536, 8-bit activations, weights in cache): 8 and 16 rows Q4_1 1.6-1.9x, Q4_K
 // 1.65-1.75x, Q6_K 1.15-1.2x faster; Qwen2.5-Coder-1.5B Q4_K_M forwards (weights streaming from memory) of 16 rows
@@ -864,50 +864,68 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
 // rows 1.0-1.1x): the products wait on memory there, and two tiles side by side read as two streams.
 constexpr int64_t kTilePairsFromRows = 6;
 
-// Lanes 0-7: output j of ``first``'s lanes 2j + 2j+1; lanes 8-15: the same of ``second``.
-DRAFTWISE_HOT __m512i add_lane_pairs(__m512i first, __m512i second) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    return _mm512_add_epi32(_mm512_permutex2var_epi32(first, even, second),
-                            _mm512_permutex2var_epi32(first, odd, second));
-}
-
 DRAFTWISE_HOT __m512 joined(__m256 first, __m256 second) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(first)), _mm256_castps_pd(second), 1));
 }
 
-// A row's integer sums over quad pairs [Begin, End) of two tiles (``first`` and ``second``), its bytes at ``values``:
-// one broadcast for both (signed quants: as unsigned bytes a + 128).
-template <bool Signed, int Begin, int End>
-DRAFTWISE_HOT void tile_pair_sums(const __m512i* first, const __m512i* second, const int8_t* values, __m512i& first_sums,
-                                  __m512i& second_sums) {
-    first_sums = second_sums = _mm512_setzero_si512();
-    for (int p = Begin; p < End; ++p) {
-        int64_t eight;
-        std::memcpy(&eight, values + 8 * p, sizeof(eight));
-        __m512i activations = _mm512_set1_epi64(eight);
-        if constexpr (Signed) {
-            activations = _mm512_xor_si512(activations, _mm512_set1_epi8(-128));
-            first_sums = _mm512_dpbusd_epi32(first_sums, activations, first[p]);
-            second_sums = _mm512_dpbusd_epi32(second_sums, activations, second[p]);
-        } else {
-            first_sums = _mm512_dpbusd_epi32(first_sums, first[p], activations);
-            second_sums = _mm512_dpbusd_epi32(second_sums, second[p], activations);
+// A group's quads of both tiles as vectors of sixteen outputs: vector k holds inputs 4k..4k+3 of the first tile's 8
+// outputs at lanes 0-7 and of the second's at lanes 8-15 (unpack_quants's vectors of the two tiles side by side), so
+// that a row's dot products leave every output's sum in a lane of its own.
+template <bool Nibbles, bool SixBits>
+DRAFTWISE_HOT void sixteen_output_quads(const uint8_t* first, const uint8_t* second, __m512i* weights) {
+    const auto both = [&](int64_t offset) {
+        return _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + offset))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + offset)), 1);
+    };
+    if (Nibbles || SixBits) {
+        const __m512i low_nibbles = _mm512_set1_epi8(15);
+        for (int k = 0; k < 4; ++k) {
+            const __m512i bytes = both(32 * k);
+            weights[k] = _mm512_and_si512(bytes, low_nibbles);
+            weights[k + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
         }
+        if (SixBits) {  // each quad's top two bits, moved to bits 4-5 of its bytes
+            const __m512i top_bits = _mm512_set1_epi8(0x30);
+            for (int m = 0; m < 2; ++m) {
+                const __m512i plane = both(128 + 32 * m);
+                weights[4 * m] = _mm512_or_si512(weights[4 * m], _mm512_and_si512(_mm512_slli_epi16(plane, 4), top_bits));
+                weights[4 * m + 1] = _mm512_or_si512(weights[4 * m + 1], _mm512_and_si512(_mm512_slli_epi16(plane, 2), top_bits));
+                weights[4 * m + 2] = _mm512_or_si512(weights[4 * m + 2], _mm512_and_si512(plane, top_bits));
+                weights[4 * m + 3] = _mm512_or_si512(weights[4 * m + 3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), top_bits));
+            }
+        }
+    } else {
+        for (int k = 0; k < 8; ++k) weights[k] = both(32 * k);
     }
 }
 
-// A row's fixed-point sums (256 * quants' + residuals') over quad pairs [Begin, End) of both tiles, per output.
-template <bool Signed, bool Residuals, int Begin, int End>
-DRAFTWISE_HOT __m512i tile_pair_fixed_sums(const __m512i* first, const __m512i* second, const int8_t* quants,
-                                           const int8_t* residuals) {
-    __m512i a, b;
-    tile_pair_sums<Signed, Begin, End>(first, second, quants, a, b);
-    __m512i whole = _mm512_slli_epi32(add_lane_pairs(a, b), 8);
-    if (Residuals) {
-        tile_pair_sums<Signed, Begin, End>(first, second, residuals, a, b);
-        whole = _mm512_add_epi32(whole, add_lane_pairs(a, b));
+// A row's integer sums over quads [Begin, End) of sixteen_output_quads's vectors, its bytes at ``values`` (signed
+// quants: as unsigned bytes a + 128), per output. (Two sums, of even and odd quads, added last: the same integers
+// with dependency chains half as long.)
+template <bool Signed, int Begin, int End>
+DRAFTWISE_HOT __m512i sixteen_output_sums(const __m512i* weights, const int8_t* values) {
+    __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int k = Begin; k < End; ++k) {
+        int32_t four;
+        std::memcpy(&four, values + 4 * k, sizeof(four));
+        const __m512i activations = _mm512_set1_epi32(four);
+        __m512i& to = sums[(k - Begin) % 2];
+        if constexpr (Signed)
+            to = _mm512_dpbusd_epi32(to, _mm512_xor_si512(activations, _mm512_set1_epi8(-128)), weights[k]);
+        else
+            to = _mm512_dpbusd_epi32(to, weights[k], activations);
     }
+    return End - Begin > 1 ? _mm512_add_epi32(sums[0], sums[1]) : sums[0];
+}
+
+// A row's fixed-point sums (256 * quants' + residuals') over quads [Begin, End), per output.
+template <bool Signed, bool Residuals, int Begin, int End>
+DRAFTWISE_HOT __m512i sixteen_output_fixed_sums(const __m512i* weights, const int8_t* quants, const int8_t* residuals) {
+    // (named first: without optimisation the shift is a macro, whose arguments a template's comma would split)
+    const __m512i quant_sums = sixteen_output_sums<Signed, Begin, End>(weights, quants);
+    __m512i whole = _mm512_slli_epi32(quant_sums, 8);
+    if (Residuals) whole = _mm512_add_epi32(whole, sixteen_output_sums<Signed, Begin, End>(weights, residuals));
     return whole;
 }
 
@@ -928,25 +946,21 @@ void tile_pair_rows(const uint8_t* tile, int64_t tile_bytes, int64_t groups, int
         // forwards of 8 rows measured 1.4-1.9x slower without)
         prefetch_ahead(packed_a, group_a.bytes);
         prefetch_ahead(packed_b, group_b.bytes);
-        __m512i pairs_a[4], pairs_b[4];
-        quad_pairs_of<Nibbles, SixBits>(packed_a, pairs_a);
-        quad_pairs_of<Nibbles, SixBits>(packed_b, pairs_b);
+        __m512i weights[8];
+        sixteen_output_quads<Nibbles, SixBits>(packed_a, packed_b, weights);
         // Signed quants: what the activations' bias of 128 adds to a row's fixed-point sum, 128 (256 + 1 with
         // residuals, else 256) times each output's weights' sum
         __m512i bias_low = _mm512_setzero_si512(), bias_high = _mm512_setzero_si512();
         if constexpr (Signed) {
             const __m512i ones = _mm512_set1_epi8(1);
             const __m512i factor = _mm512_set1_epi32(128 * (Residuals ? 257 : 256));
-            __m512i low_a = _mm512_setzero_si512(), low_b = _mm512_setzero_si512();
-            __m512i high_a = _mm512_setzero_si512(), high_b = _mm512_setzero_si512();
-            for (int p = 0; p < 4; ++p) {
-                __m512i& to_a = Halves && p >= 2 ? high_a : low_a;
-                __m512i& to_b = Halves && p >= 2 ? high_b : low_b;
-                to_a = _mm512_dpbusd_epi32(to_a, ones, pairs_a[p]);
-                to_b = _mm512_dpbusd_epi32(to_b, ones, pairs_b[p]);
+            __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+            for (int k = 0; k < 8; ++k) {
+                __m512i& to = Halves && k >= 4 ? high : low;
+                to = _mm512_dpbusd_epi32(to, ones, weights[k]);
             }
-            bias_low = _mm512_mullo_epi32(add_lane_pairs(low_a, low_b), factor);
-            if (Halves) bias_high = _mm512_mullo_epi32(add_lane_pairs(high_a, high_b), factor);
+            bias_low = _mm512_mullo_epi32(low, factor);
+            if (Halves) bias_high = _mm512_mullo_epi32(high, factor);
         }
         const __m512 scale = joined(group_a.scale, group_b.scale);
         const __m512 scale_high = Halves ? joined(group_a.scale_high, group_b.scale_high) : _mm512_setzero_ps();
@@ -959,8 +973,8 @@ void tile_pair_rows(const uint8_t* tile, int64_t tile_bytes, int64_t groups, int
             const int8_t* residual = data.residuals + at * kGroup;
             __m512 value;
             if constexpr (Halves) {
-                __m512i low = tile_pair_fixed_sums<Signed, Residuals, 0, 2>(pairs_a, pairs_b, q, residual);
-                __m512i high = tile_pair_fixed_sums<Signed, Residuals, 2, 4>(pairs_a, pairs_b, q, residual);
+                __m512i low = sixteen_output_fixed_sums<Signed, Residuals, 0, 4>(weights, q, residual);
+                __m512i high = sixteen_output_fixed_sums<Signed, Residuals, 4, 8>(weights, q, residual);
                 if (Signed) {
                     low = _mm512_sub_epi32(low, bias_low);
                     high = _mm512_sub_epi32(high, bias_high);
@@ -971,7 +985,7 @@ void tile_pair_rows(const uint8_t* tile, int64_t tile_bytes, int64_t groups, int
                 value = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)),
                                       _mm512_mul_ps(scale_high, _mm512_cvtepi32_ps(high)));
             } else {
-                __m512i whole = tile_pair_fixed_sums<Signed, Residuals, 0, 4>(pairs_a, pairs_b, q, residual);
+                __m512i whole = sixteen_output_fixed_sums<Signed, Residuals, 0, 8>(weights, q, residual);
                 if (Signed) whole = _mm512_sub_epi32(whole, bias_low);
                 else if (centre != 0) whole = _mm512_sub_epi32(whole, _mm512_set1_epi32(data.centre_sums[at]));
                 value = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(whole));

@@ -860,9 +860,10 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
 // float32 steps are add_group_value's in the same order: bitwise the same products. Measured on a two-core Zen 5
 // against the kernels above (8960 x 1536, 8-bit activations, weights in cache): 8 and 16 rows Q4_1 1.6-1.9x, Q4_K
 // 1.65-1.75x, Q6_K 1.15-1.2x faster; Qwen2.5-Coder-1.5B Q4_K_M forwards (weights streaming from memory) of 16 rows
-// (8-bit) 1.45x, of 8 rows (16-bit) 1.25-1.35x. Below six rows they lost in forwards (2 rows 1.15-1.35x slower, 4
-// rows 1.0-1.1x): the products wait on memory there, and two tiles side by side read as two streams.
-constexpr int64_t kTilePairsFromRows = 6;
+// (8-bit) 1.45x, of 8 rows (16-bit) 1.25-1.35x. Since the far prefetch (prefetch_ahead) they win from four rows too
+// (Qwen2.5-Coder-1.5B Q4_K_M forwards of 4 / 5 rows 35.5 / 38.6 -> 29.1 / 29.0 ms with 8-bit activations, 39.7 /
+// 48.7 -> 34.6 / 36.9 with 16-bit); at two rows they still lose (25.4 -> 28.2 ms), at three they tie.
+constexpr int64_t kTilePairsFromRows = 4;
 
 DRAFTWISE_HOT __m512 joined(__m256 first, __m256 second) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(first)), _mm256_castps_pd(second), 1));

@@ -853,17 +853,19 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
     store_rows<Rows>(sums, first, bias, y, y_stride, valid);
 }
 
-// Tile pairs, for calls of kTilePairsFromRows rows or more: the quads of two neighbouring tiles side by side in one
-// vector (tile t's eight outputs in lanes 0-7, tile t + 1's in lanes 8-15) fed by one broadcast of a row's
-// activations, and the float32 steps of a group and row on sixteen outputs a vector. Each lane sums exactly the
+// Tile pairs, for calls of kTilePairsFromRows rows or more (kTilePairsFromRowsWithResiduals with 16-bit
+// activations): the quads of two neighbouring tiles side by side in one vector (tile t's eight outputs in lanes 0-7,
+// tile t + 1's in lanes 8-15) fed by one broadcast of a row's activations, and the float32 steps of a group and row on sixteen outputs a vector. Each lane sums exactly the
 // integers tile_rows takes (formats with two scales a group, Q6_K, sum quads 0-3 and 4-7 apart, as tile_rows does) and the
 // float32 steps are add_group_value's in the same order: bitwise the same products. Measured on a two-core Zen 5
 // against the kernels above (8960 x 1536, 8-bit activations, weights in cache): 8 and 16 rows Q4_1 1.6-1.9x, Q4_K
 // 1.65-1.75x, Q6_K 1.15-1.2x faster; Qwen2.5-Coder-1.5B Q4_K_M forwards (weights streaming from memory) of 16 rows
 // (8-bit) 1.45x, of 8 rows (16-bit) 1.25-1.35x. Since the far prefetch (prefetch_ahead) they win from four rows too
 // (Qwen2.5-Coder-1.5B Q4_K_M forwards of 4 / 5 rows 35.5 / 38.6 -> 29.1 / 29.0 ms with 8-bit activations, 39.7 /
-// 48.7 -> 34.6 / 36.9 with 16-bit); at two rows they still lose (25.4 -> 28.2 ms), at three they tie.
+// 48.7 -> 34.6 / 36.9 with 16-bit); at two rows they still lose (25.4 -> 28.2 ms). At three rows they win with 16-bit
+// activations (33.1-35.3 -> 26.8-27.8 ms) and lose with 8-bit ones (25.6-26.0 -> 27.7-28.3).
 constexpr int64_t kTilePairsFromRows = 4;
+constexpr int64_t kTilePairsFromRowsWithResiduals = 3;
 
 DRAFTWISE_HOT __m512 joined(__m256 first, __m256 second) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(first)), _mm256_castps_pd(second), 1));
@@ -1210,7 +1212,8 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
 #endif
 #if defined(DRAFTWISE_VNNI512)
     {
-        if (rows >= qp::kTilePairsFromRows && tiles >= 2) {
+        if (rows >= (activation_bits == 16 ? qp::kTilePairsFromRowsWithResiduals : qp::kTilePairsFromRows) &&
+            tiles >= 2) {
             const qp::TilePairProduct pair_product = qp::tile_pair_product(format);
             at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
                 qp::WideTile scratch;

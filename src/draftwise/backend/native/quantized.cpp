@@ -855,9 +855,10 @@ void quad_pair_tile_rows(const uint8_t* tile, int64_t groups, int64_t format, co
 
 // Tile pairs, for calls of kTilePairsFromRows rows or more (kTilePairsFromRowsWithResiduals with 16-bit
 // activations): the quads of two neighbouring tiles side by side in one vector (tile t's eight outputs in lanes 0-7,
-// tile t + 1's in lanes 8-15) fed by one broadcast of a row's activations, and the float32 steps of a group and row on sixteen outputs a vector. Each lane sums exactly the
-// integers tile_rows takes (formats with two scales a group, Q6_K, sum quads 0-3 and 4-7 apart, as tile_rows does) and the
-// float32 steps are add_group_value's in the same order: bitwise the same products. Measured on a two-core Zen 5
+// tile t + 1's in lanes 8-15) fed by one broadcast of a row's activations, and the float32 steps of a group and row on
+// sixteen outputs a vector. Each lane sums exactly the integers tile_rows takes (formats with two scales a group, Q6_K,
+// sum quads 0-3 and 4-7 apart, as tile_rows does) and the float32 steps are add_group_value's in the same order:
+// bitwise the same products. Measured on a two-core Zen 5
 // against the kernels above (8960 x 1536, 8-bit activations, weights in cache): 8 and 16 rows Q4_1 1.6-1.9x, Q4_K
 // 1.65-1.75x, Q6_K 1.15-1.2x faster; Qwen2.5-Coder-1.5B Q4_K_M forwards (weights streaming from memory) of 16 rows
 // (8-bit) 1.45x, of 8 rows (16-bit) 1.25-1.35x. Since the far prefetch (prefetch_ahead) they win from four rows too

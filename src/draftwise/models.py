@@ -286,6 +286,53 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
     return target, tokenizer
 
 
+def _requantized_target(folder: Path, weights: str, cache_dir: str | os.PathLike | None,
+                        activation_bits: int) -> LeanTarget:
+    """The lean forward of checkpoint ``folder`` with its products quantised to ``weights`` (``"q8_0"``/``"q4_0"``)
+    on the compiled CPU kernels, without float copies of those matrices. The first load reads the float checkpoint,
+    quantises and packs its products and keeps them in the cache folder (keyed by the checkpoint's files, the kind
+    and the packed layout's version); later loads read only the packed file (quantising a 0.5B model's float32
+    checkpoint takes seconds, reading its packed products a fraction of one)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .backend.weights.gguf_file import load_packed, save_packed
+    from .backend.weights.quantized import LAYOUT_VERSION
+
+    files = sorted(path for path in folder.iterdir() if path.is_file())
+    identity = ";".join([str(folder.resolve()), weights, str(LAYOUT_VERSION),
+                         *(f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for path in files)])
+    packed = ((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "quantized-packed"
+              / hashlib.sha256(identity.encode()).hexdigest()[:16] / "packed.safetensors")
+    if packed.is_file():
+        try:
+            model, source, embedding = load_packed(packed, AutoConfig.from_pretrained(str(folder)))
+            return lean_target(model, quantized=source, embedding=embedding, activation_bits=activation_bits)
+        except Exception:  # a damaged or outdated cache file: quantised again below
+            packed.unlink()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    except Exception as error:
+        raise ModelLoadError(
+            f"could not load the checkpoint in {folder}: {error}. If it is a cached conversion, delete that folder "
+            "and load again to rebuild it"
+        ) from error
+    target = make_target(model.eval(), "lean", calibrate=False, weights=weights, activation_bits=activation_bits)
+    release_float_matrices(target)
+    packed.parent.mkdir(parents=True, exist_ok=True)
+    save_packed(packed, model, target, None)
+    return target
+
+
+def release_float_matrices(target: Target) -> None:
+    """Free the float weights of a target's matrices quantised on load: its forward runs their quantised products
+    (the ``hf`` rows of a benchmark load the float model again, see :func:`draftwise.bench.run.float_reference`). The
+    token embedding, which the forward looks up, stays."""
+    embedding = target.model.get_input_embeddings().weight
+    for module in target.model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+            module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     for block in _read_chunks([path]):
@@ -522,7 +569,8 @@ def load_model(
         dtype chosen; the tokenizer is ``None`` when the checkpoint has none. With ``weights="file"`` no float copy of
         the file's quantised matrices is made: ``target.model`` holds its config and float tensors (norms, biases)
         only, the products are packed once and kept in the cache folder, so later loads read neither the GGUF file
-        nor a float checkpoint.
+        nor a float checkpoint. The same goes for ``"q8_0"``/``"q4_0"`` on the compiled CPU kernels: the products
+        are quantised at the first load and read packed from the cache folder later.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -554,6 +602,19 @@ def load_model(
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
+    if (weights in ("q8_0", "q4_0") and backend != "transformers" and dtype == torch.float32
+            and torch.device(device).type == "cpu" and native.load_kernels(warn=False) is not None):
+        try:
+            target = _requantized_target(folder, weights, cache_dir, activation_bits)
+        except ValueError as error:
+            raise ModelLoadError(f"{folder}: {error}") from None
+        _calibrate(target, cache_dir, calibrate)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except Exception:
+            tokenizer = None
+        target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
+        return target, tokenizer
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except Exception as error:

@@ -535,20 +535,8 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
     dtype = target.dtype if kind == "float" else "auto"
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
                                   calibrate=False, progress=True, weights=kind, activation_bits=activation_bits)
-    if kind in KINDS:
-        release_float_matrices(draft)
     check_same_vocabulary(target, draft, tokenizer, name)
     return draft
-
-
-def release_float_matrices(draft: Target) -> None:
-    """Free the float weights of a draft's matrices quantised on load: its forward runs their quantised products and
-    nothing compares the draft with its float model (kept, the target's own model in float32 beside the target would
-    take most of a small machine's memory). The token embedding, which the forward looks up, stays."""
-    embedding = draft.model.get_input_embeddings().weight
-    for module in draft.model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
-            module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
 
 
 def check_same_vocabulary(target: Target, draft: Target, draft_tokenizer: Any, name: str) -> None:

@@ -5,6 +5,7 @@ The drafting policy on its own (cost rule, pauses, throughput judging, explorati
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -114,6 +115,28 @@ def test_a_drafter_can_ask_for_hidden_states(tiny_llama):
     plain.wants_hidden_states = False
     list(decode(tiny_llama, PROMPT, plain, max_new_tokens=3))
     assert all(outcome.hidden_states is None for outcome in plain.outcomes)
+
+
+class SlowToPrepare(NoDrafter):
+    """Prepares (as a draft model loads) for a second, once per target; every call is recorded."""
+
+    def __init__(self) -> None:
+        self.prepared: list[object] = []
+
+    def prepare(self, target) -> None:
+        if target not in self.prepared:
+            time.sleep(1.0)
+        self.prepared.append(target)
+
+
+def test_a_drafter_prepares_before_the_sequences_clock_starts(tiny_llama):
+    """Loading a draft model is setting up, not decoding: it is not counted in a sequence's time or its time to
+    first token."""
+    drafter = SlowToPrepare()
+    result = draftwise.generate(tiny_llama, None, prompt_ids=PROMPT, method=drafter, max_new_tokens=4,
+                                ignore_eos=True)
+    assert len(result.token_ids) == 4 and drafter.prepared
+    assert result.stats.time_s < 0.9 and result.stats.time_to_first_token_s < 0.9
 
 
 def test_step_outcome_names_the_root_and_the_emitted_tokens(tiny_llama):

@@ -117,7 +117,8 @@ def test_sampling_keeps_the_target_distribution(width):
 @pytest.mark.parametrize("width", [1, 2])
 def test_a_draft_head_over_part_of_the_vocabulary_keeps_greedy_ids(width):
     """A draft scoring only the 16 lowest ids and the context's tokens: plain greedy decoding's ids, drafts still
-    accepted, and a draft distribution that is zero outside those tokens."""
+    accepted; a greedy draft's distribution stays over those tokens, a sampled one's is the whole vocabulary's,
+    zero outside them."""
     target = LeanTarget(make_tiny_model("llama", seed=0))
     drafter = DraftModelDrafter(model=noisy_copy(target.model, noise=0.05), width=width, depth=4, adaptive=False,
                                 vocab=16)
@@ -126,7 +127,12 @@ def test_a_draft_head_over_part_of_the_vocabulary_keeps_greedy_ids(width):
     assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=30)
     head = drafter._shared["head"]
     assert head is not None and head.size == 16 and head.extra
-    q = drafter._distribution(torch.randn(len(head.ids)))
+    logits = torch.randn(len(head.ids))
+    q, ids = drafter._distribution(logits)
+    assert torch.equal(ids, head.ids) and q.shape == logits.shape
+    drafter._sampling = SamplingParams(temperature=0.8)
+    q, ids = drafter._distribution(logits)
+    assert ids is None
     outside = torch.ones(q.shape[-1], dtype=torch.bool)
     outside[head.ids] = False
     assert q.shape[-1] == target.model.config.vocab_size and float(q[outside].sum()) == 0.0

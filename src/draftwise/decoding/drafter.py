@@ -98,10 +98,15 @@ class Drafter(ABC):
     #: Ask the engine for the target's hidden states in :meth:`observe` (they cost a copy per step).
     wants_hidden_states: bool = False
 
+    def prepare(self, target: Target) -> None:
+        """Called before each sequence's clock starts (its prefill, its time to first token), with the target it
+        will be decoded on: a model drafter loads its draft model for ``target`` here, once, so that loading is not
+        counted as decoding time (errors such as a draft model with another vocabulary are raised from here). The
+        default does nothing."""
+
     def attach(self, setup: SequenceSetup) -> None:
         """Called for every sequence before :meth:`reset`, with the target and the sequence's cache. The default
-        ignores it; model drafters load or bind their model here (errors such as a draft model with another
-        vocabulary are raised from here, before any token is drafted)."""
+        ignores it; model drafters bind their model here (and load it if :meth:`prepare` was not called)."""
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Start a new sequence whose context begins with ``prompt``. Learned state that should outlive a

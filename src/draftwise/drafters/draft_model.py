@@ -58,8 +58,8 @@ def draft_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.
 
 
 def pick_children(q: torch.Tensor, count: int, greedy: bool, generator: torch.Generator | None) -> list[int]:
-    """``count`` child tokens from ``q``: the most likely ones (greedy), or draws without replacement in the order
-    drawn (sampling), never a token of probability 0."""
+    """``count`` indices of ``q``: the most likely ones (greedy), or draws without replacement in the order drawn
+    (sampling), never one of probability 0."""
     count = min(count, int((q > 0).sum()))
     if count <= 0:
         return []
@@ -174,16 +174,21 @@ class TreeGrowth:
         self.kinds: dict[tuple[int, ...], int] = {}  # token path -> calibration bucket (see AcceptanceTracker)
         self.q_rows: dict[int, torch.Tensor] = {}  # row (0 = root, node + 1) -> q
 
-    def add_children(self, node: int, q: torch.Tensor, count: int, greedy: bool, generator) -> list[int]:
-        """Expand ``node`` (``ROOT`` for the root) with ``count`` children drawn from ``q``; returns the new nodes."""
-        self.q_rows[node + 1] = q
+    def add_children(self, node: int, q: torch.Tensor, count: int, greedy: bool, generator,
+                     ids: torch.Tensor | None = None) -> list[int]:
+        """Expand ``node`` (``ROOT`` for the root) with ``count`` children drawn from ``q``; returns the new nodes.
+        ``q`` is over the whole vocabulary, or over the tokens ``ids`` (a draft head's, greedy drafts only: their
+        ``q`` only ranks and scores)."""
+        if ids is None:
+            self.q_rows[node + 1] = q
         base = 1.0 if node == ROOT else self.scores[node]
         depth = 1 if node == ROOT else self.depths[node] + 1
         prefix = () if node == ROOT else self.paths[node]
         added = []
         ceiling = base
-        for token in pick_children(q, count, greedy, generator):
-            kind = confidence_kind(float(q[token]))
+        for index in pick_children(q, count, greedy, generator):
+            kind = confidence_kind(float(q[index]))
+            token = index if ids is None else int(ids[index])
             # Scores never grow along the draw order of siblings, so keeping the best nodes keeps the first draws.
             ceiling = min(ceiling, base * self.tracker.rate(kind, depth))
             self.tokens.append(token)
@@ -359,18 +364,23 @@ class DraftModelDrafter(Drafter):
             raise RuntimeError("the draft model is loaded when a sequence starts (Drafter.attach)")
         return self._shared["draft"]
 
+    def prepare(self, target: Target) -> None:
+        """Load (or bind) the draft model for ``target``, once per target (see :meth:`Drafter.prepare`)."""
+        if self._shared["target"] is target:
+            return
+        if self._given is not None:
+            draft = self._given if isinstance(self._given, Target) else make_target(
+                self._given, self.backend, calibrate=False)
+            check_same_vocabulary(target, draft, getattr(draft, "tokenizer", None), self.model_name)
+        else:
+            draft = load_draft(self.model_name, target, self.backend, self.cache_dir, self.weights,
+                               self.activation_bits)
+        self._shared["draft"] = draft
+        self._shared["target"] = target
+        self._shared["head"] = self._make_head(draft, target)
+
     def attach(self, setup: SequenceSetup) -> None:
-        if self._shared["target"] is not setup.target:
-            if self._given is not None:
-                draft = self._given if isinstance(self._given, Target) else make_target(
-                    self._given, self.backend, calibrate=False)
-                check_same_vocabulary(setup.target, draft, getattr(draft, "tokenizer", None), self.model_name)
-            else:
-                draft = load_draft(self.model_name, setup.target, self.backend, self.cache_dir, self.weights,
-                                   self.activation_bits)
-            self._shared["draft"] = draft
-            self._shared["target"] = setup.target
-            self._shared["head"] = self._make_head(draft, setup.target)
+        self.prepare(setup.target)
         self._sampling = setup.sampling
         self._latency = setup.latency
         self._generator = setup.sampling.generator()
@@ -431,11 +441,17 @@ class DraftModelDrafter(Drafter):
         head.cover(context)
         return head
 
-    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        """``q`` over the whole vocabulary from draft logits (over the draft head's tokens when it has one)."""
+    def _distribution(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``q`` from draft logits (over the draft head's tokens when it has one) and the token of each column
+        (``None``: column ``i`` is token ``i``). A sampled draft's ``q`` is put back on the whole vocabulary, since
+        verification reads it there; a greedy draft's only ranks, and stays over the head's tokens."""
         q = draft_distribution(logits, self._sampling)
         head = self._shared["head"]
-        return q if head is None or q.shape[-1] == head.vocab else head.expand(q)
+        if head is None or q.shape[-1] == head.vocab:
+            return q, None
+        if self._sampling.greedy:
+            return q, head.ids[: q.shape[-1]]
+        return head.expand(q), None
 
     def sync_logits(self, context: Sequence[int]) -> torch.Tensor:
         """The draft's logits after ``context`` (public for tests: they must equal a fresh prefill's)."""
@@ -452,8 +468,8 @@ class DraftModelDrafter(Drafter):
         greedy = self._sampling.greedy
         growth = TreeGrowth(self._shared["tracker"])
         started = time.perf_counter()  # the step's drafting time, the synchronising forward included
-        frontier = growth.add_children(ROOT, self._distribution(self._sync(context)), self.width, greedy,
-                                       self._generator)
+        q, ids = self._distribution(self._sync(context))
+        frontier = growth.add_children(ROOT, q, self.width, greedy, self._generator, ids)
         committed = len(context)
         chain: list[int] = []  # tokens a chain's levels committed to the draft cache
         try:
@@ -469,13 +485,13 @@ class DraftModelDrafter(Drafter):
                 ):
                     break
                 level_started = time.perf_counter()
-                q_rows = self._distribution(self._level(draft, growth, expand))
+                q_rows, ids = self._distribution(self._level(draft, growth, expand))
                 clock.record(rows, time.perf_counter() - level_started)
                 if self.width == 1:
                     chain.append(growth.tokens[expand[0]])
                 frontier = []
                 for node, q in zip(expand, q_rows):
-                    frontier += growth.add_children(node, q, self.width, greedy, self._generator)
+                    frontier += growth.add_children(node, q, self.width, greedy, self._generator, ids)
         except BaseException:
             draft.truncate(self._cache, committed)
             raise

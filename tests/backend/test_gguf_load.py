@@ -202,3 +202,21 @@ def test_a_file_runs_dequantized_without_the_kernels(tmp_path):
     for mine, theirs in zip(prefill_and_chain_logits(target, PROMPT, CHAIN, 32),
                             prefill_and_chain_logits(reference, PROMPT, CHAIN, 32)):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_embedding_rows_looked_up_few_or_many_are_the_decoded_table(type_name):
+    """A decoding step's few tokens come from the rows kept since earlier lookups (bounded), many are decoded at
+    once: the same values as the whole table decoded, in the tokens' order and shape."""
+    from gguf_files import random_blocks
+
+    from draftwise.backend.weights.quantized import decode
+
+    blocks = random_blocks(type_name, 40, 256).reshape(40, -1)
+    table = decode(blocks, type_name).dequantize()
+    rows = gguf_file.EmbeddingRows(blocks, type_name)
+    rows._recent_limit = 6
+    for tokens in ([3], [3, 3, 9], [[1, 2], [3, 4]], list(range(40)), [39, 0, 5, 5, 7, 8, 9, 10, 3]):
+        ids = torch.tensor(tokens)
+        assert torch.equal(rows[ids], table[ids])
+        assert len(rows.recent) <= 6

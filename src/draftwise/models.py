@@ -224,34 +224,14 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
     in the cache folder (keyed by the file's path, size and time and the packed layout's version): the first load
     reads the file (building a large vocabulary's tokenizer and repacking take a while), later ones only the cache.
     On other devices the blocks are decoded from the file at each load and dequantised at every step there."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from .backend.weights.gguf_file import (GGUFWeights, file_config, file_embedding, file_matrices, file_model,
-                                            load_packed, save_packed)
-    from .backend.weights.quantized import LAYOUT_VERSION
+    from .backend.weights.gguf_file import (GGUFWeights, file_embedding, file_matrices, file_model, load_packed,
+                                            save_packed)
 
-    stat = gguf_file.stat()
-    identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}"
-    folder = ((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf-packed"
-              / hashlib.sha256(identity.encode()).hexdigest()[:16])
-    packed = folder / "packed.safetensors"
     try:
-        if not _checkpoint_ready(folder):
-            config = file_config(gguf_file)
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-            except Exception:  # a file without a tokenizer still runs on token ids
-                tokenizer = None
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".metadata-") as scratch:
-                staging = Path(scratch) / "metadata"
-                config.save_pretrained(str(staging))
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(str(staging))
-                (staging / "draftwise.json").write_text(json.dumps({"gguf": str(gguf_file)}))
-                if folder.exists():
-                    shutil.rmtree(folder)
-                os.replace(staging, folder)
+        folder = _file_metadata(gguf_file, cache_dir)
+        packed = folder / "packed.safetensors"
         config = AutoConfig.from_pretrained(str(folder))
         # Products packed for the compiled CPU kernels are kept; elsewhere blocks are decoded from the file.
         kernels = device.type == "cpu" and native.load_kernels(warn=False) is not None
@@ -279,47 +259,99 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
         raise
     except Exception as error:  # the gguf package raises many kinds on a damaged file
         raise ModelLoadError(f"{gguf_file} is not a readable GGUF model: {type(error).__name__}: {error}") from error
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception:
-        tokenizer = None
-    return target, tokenizer
+    return target, _folder_tokenizer(folder)
 
 
-def _requantized_target(folder: Path, weights: str, cache_dir: str | os.PathLike | None,
-                        activation_bits: int) -> LeanTarget:
-    """The lean forward of checkpoint ``folder`` with its products quantised to ``weights`` (``"q8_0"``/``"q4_0"``)
-    on the compiled CPU kernels, without float copies of those matrices. The first load reads the float checkpoint,
-    quantises and packs its products and keeps them in the cache folder (keyed by the checkpoint's files, the kind
-    and the packed layout's version); later loads read only the packed file (quantising a 0.5B model's float32
-    checkpoint takes seconds, reading its packed products a fraction of one)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _file_metadata(gguf_file: Path, cache_dir: str | os.PathLike | None) -> Path:
+    """The cache folder of a GGUF file's config and tokenizer (keyed by the file's path, size and time and the
+    packed layout's version; written at its first load: a large vocabulary's tokenizer takes a while to build).
 
-    from .backend.weights.gguf_file import load_packed, save_packed
+    Raises:
+        ValueError: the file has no config transformers can read.
+    """
+    from transformers import AutoTokenizer
+
+    from .backend.weights.gguf_file import file_config
     from .backend.weights.quantized import LAYOUT_VERSION
 
-    files = sorted(path for path in folder.iterdir() if path.is_file())
-    identity = ";".join([str(folder.resolve()), weights, str(LAYOUT_VERSION),
+    stat = gguf_file.stat()
+    identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}"
+    folder = ((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf-packed"
+              / hashlib.sha256(identity.encode()).hexdigest()[:16])
+    if not _checkpoint_ready(folder):
+        config = file_config(gguf_file)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        except Exception:  # a file without a tokenizer still runs on token ids
+            tokenizer = None
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".metadata-") as scratch:
+            staging = Path(scratch) / "metadata"
+            config.save_pretrained(str(staging))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(staging))
+            (staging / "draftwise.json").write_text(json.dumps({"gguf": str(gguf_file)}))
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(staging, folder)
+    return folder
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in ``folder``; ``None`` where it holds none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception:
+        return None
+
+
+def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str | os.PathLike | None,
+                        activation_bits: int) -> LeanTarget:
+    """The lean forward of ``source`` (a GGUF file or a checkpoint folder; ``config`` its model's) with its products quantised to ``weights``
+    (``"q8_0"``/``"q4_0"``) on the compiled CPU kernels, without float copies of those matrices. The first load
+    quantises the products one at a time (a GGUF file's from its blocks de-quantised, as transformers would; no float
+    checkpoint is written) and keeps them packed in the cache folder (keyed by the source's files, the kind and the
+    packed layout's version); later loads read only the packed file (quantising a 0.5B model takes seconds, reading
+    its packed products a fraction of one)."""
+    from transformers import AutoModelForCausalLM
+
+    from .backend.weights.gguf_file import (GGUFWeights, file_embedding, file_matrices, file_model, load_packed,
+                                            requantized_matrices, save_packed)
+    from .backend.weights.quantized import LAYOUT_VERSION
+
+    files = [source] if source.is_file() else sorted(path for path in source.iterdir() if path.is_file())
+    identity = ";".join([str(source.resolve()), weights, str(LAYOUT_VERSION),
                          *(f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for path in files)])
     packed = ((Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "quantized-packed"
               / hashlib.sha256(identity.encode()).hexdigest()[:16] / "packed.safetensors")
     if packed.is_file():
         try:
-            model, source, embedding = load_packed(packed, AutoConfig.from_pretrained(str(folder)))
-            return lean_target(model, quantized=source, embedding=embedding, activation_bits=activation_bits)
+            model, products, embedding = load_packed(packed, config)
+            return lean_target(model, quantized=products, embedding=embedding, activation_bits=activation_bits)
         except Exception:  # a damaged or outdated cache file: quantised again below
             packed.unlink()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    except Exception as error:
-        raise ModelLoadError(
-            f"could not load the checkpoint in {folder}: {error}. If it is a cached conversion, delete that folder "
-            "and load again to rebuild it"
-        ) from error
-    target = make_target(model.eval(), "lean", calibrate=False, weights=weights, activation_bits=activation_bits)
+    if source.is_file():
+        file = GGUFWeights(source)
+        model = file_model(file, config)
+        embedding = file_embedding(model, file)
+        target = lean_target(model, quantized=requantized_matrices(model, file_matrices(model, file), weights),
+                             embedding=embedding, activation_bits=activation_bits)
+        del file  # (closes the file's mapping)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+        except Exception as error:
+            raise ModelLoadError(
+                f"could not load the checkpoint in {source}: {error}. If it is a cached conversion, delete that "
+                "folder and load again to rebuild it"
+            ) from error
+        embedding = None
+        target = make_target(model, "lean", calibrate=False, weights=weights, activation_bits=activation_bits)
     release_float_matrices(target)
     packed.parent.mkdir(parents=True, exist_ok=True)
-    save_packed(packed, model, target, None)
+    save_packed(packed, model, target, embedding)
     return target
 
 
@@ -601,20 +633,27 @@ def load_model(
         _calibrate(target, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
-    folder = resolve_checkpoint(name_or_path, cache_dir, progress)
     if (weights in ("q8_0", "q4_0") and backend != "transformers" and dtype == torch.float32
             and torch.device(device).type == "cpu" and native.load_kernels(warn=False) is not None):
+        from transformers import AutoConfig
+
+        source = gguf_file_of(name_or_path, cache_dir) or resolve_checkpoint(name_or_path, cache_dir, progress)
         try:
-            target = _requantized_target(folder, weights, cache_dir, activation_bits)
+            # (a GGUF file's config and tokenizer from the cache folder weights="file" keeps them in)
+            metadata = _file_metadata(source, cache_dir) if source.is_file() else source
+            config = AutoConfig.from_pretrained(str(metadata))
+            tokenizer = _folder_tokenizer(metadata)
+            target = _requantized_target(source, config, weights, cache_dir, activation_bits)
         except ValueError as error:
-            raise ModelLoadError(f"{folder}: {error}") from None
+            raise ModelLoadError(f"{source}: {error}") from None
+        except DraftwiseError:
+            raise
+        except Exception as error:  # the gguf package raises many kinds on a damaged file
+            raise ModelLoadError(f"{source} is not a readable model: {type(error).__name__}: {error}") from error
         _calibrate(target, cache_dir, calibrate)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        except Exception:
-            tokenizer = None
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
+    folder = resolve_checkpoint(name_or_path, cache_dir, progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except Exception as error:

@@ -1,5 +1,6 @@
-"""A float checkpoint quantised on load (``weights="q4_0"``/``"q8_0"``) is quantised and packed once: later loads
-read the packed products from the cache folder, hold no float copy of them, and compute the same bits."""
+"""A model quantised on load (``weights="q4_0"``/``"q8_0"``) is quantised and packed once: later loads read the packed
+products from the cache folder, hold no float copy of them, and compute the same bits. A GGUF file is quantised again
+from its blocks, without a float checkpoint, to the bits a float checkpoint of it gets."""
 
 from __future__ import annotations
 
@@ -53,3 +54,14 @@ def test_a_damaged_cache_file_is_quantised_again(tmp_path):
     with torch.inference_mode():
         assert torch.equal(_logits(first), _logits(second))
     assert packed.stat().st_size > 1000  # written again
+
+
+def test_a_gguf_file_is_quantised_again_without_a_float_checkpoint(tmp_path):
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q4_K")
+    from_file, _ = draftwise.load_model(str(path), weights="q4_0", calibrate=False, cache_dir=tmp_path)
+    assert not list(tmp_path.glob("gguf-[0-9a-f]*"))  # (the float checkpoint a conversion would write)
+    assert from_file.model.get_input_embeddings().weight.device.type == "meta"  # (looked up from the file's blocks)
+    folder = draftwise.models.resolve_checkpoint(str(path), tmp_path)
+    from_folder, _ = draftwise.load_model(str(folder), weights="q4_0", calibrate=False, cache_dir=tmp_path)
+    with torch.inference_mode():
+        assert torch.equal(_logits(from_file), _logits(from_folder))

@@ -27,12 +27,16 @@ def _generate(target, method, tokens=24):
 
 
 @needs_kernels
-def test_a_draft_by_name_runs_the_weights_its_target_runs(tmp_path):
+def test_a_draft_by_name_of_a_quantised_target_runs_q4_0_or_the_weights_it_is_given(tmp_path):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q4_K")
     target, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path)
     assert target.source == str(path) and target.weights == "file"
+    plain = _generate(target, "ar").token_ids
     drafter = DraftModelDrafter(model=str(path), depth=4, adaptive=False, cache_dir=str(tmp_path))
-    assert _generate(target, drafter).token_ids == _generate(target, "ar").token_ids
+    assert _generate(target, drafter).token_ids == plain
+    assert drafter.draft.weights == "q4_0" and drafter.draft.quantization == "q4_0"
+    drafter = DraftModelDrafter(model=str(path), depth=4, adaptive=False, weights="file", cache_dir=str(tmp_path))
+    assert _generate(target, drafter).token_ids == plain
     assert drafter.draft.weights == "file" and drafter.draft.quantization == target.quantization
 
 
@@ -76,7 +80,7 @@ def test_quantised_drafts_run_on_every_device(tmp_path, device):
     path = write_random_gguf(tmp_path / "model.gguf", TINY_QWEN, "Q4_K")
     target, _ = draftwise.load_model(str(path), weights="file", device=device, calibrate=False, cache_dir=tmp_path)
     plain = _generate(target, "ar").token_ids
-    by_file = DraftModelDrafter(model=str(path), depth=4, adaptive=False, cache_dir=str(tmp_path))
+    by_file = DraftModelDrafter(model=str(path), depth=4, adaptive=False, weights="file", cache_dir=str(tmp_path))
     assert _generate(target, by_file).token_ids == plain
     assert by_file.draft.device.type == device and by_file.draft.quantization == target.quantization
     assert _generate(target, f"draft:model=self,weights=q8_0,depth=3,cache_dir={tmp_path}").token_ids == plain

@@ -291,9 +291,12 @@ class DraftModelDrafter(Drafter):
             outside it more than one time in :attr:`MISS_LIMIT`, the whole vocabulary is scored from then on.
         backend: how the draft model runs (see :func:`draftwise.load_model`).
         weights: the draft model's weights when loaded by name: ``"file"`` (a GGUF file's blocks as shipped),
-            ``"q8_0"``/``"q4_0"`` (quantised on load), ``"float"`` (the target's float dtype), or ``None`` (the
-            default): the kind the target was loaded with, so a quantised target gets a quantised draft. Every kind
-            leaves the output the target's: a draft only proposes.
+            ``"q8_0"``/``"q4_0"`` (quantised on load, packed once and cached), ``"float"`` (the target's float
+            dtype), or ``None`` (the default): ``"q4_0"`` for a target whose quantised products run on the compiled
+            CPU kernels, since a draft step reads the whole draft model and the smallest blocks read least (Qwen2.5-
+            Coder-0.5B drafting for the 1.5B's Q4_K_M file on a Zen 5: 68.2 tok/s against 57.6 with the 0.5B file's
+            own Q5_0/Q8_0 blocks), otherwise the kind the target was loaded with. Every kind leaves the output the
+            target's: a draft only proposes.
         activation_bits: what a quantised draft quantises its activations to (see :func:`draftwise.load_model`):
             8, the default, whatever the target takes, since a draft's precision moves its acceptance at most, never
             the output, and its steps cost about half of 16 bits' (Qwen2.5-Coder-0.5B's file on a Zen 5: 9.2 against
@@ -547,6 +550,8 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
             draft.tokenizer, draft.source, draft.weights = target.tokenizer, target.source, weights
             return draft
         name = target.source
+    if weights is None and target.weights is not None and not getattr(target, "dequantizing", True):
+        weights = "q4_0"  # (see DraftModelDrafter's weights)
     kind = (target.weights or "float") if weights is None else weights
     dtype = target.dtype if kind == "float" else "auto"
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,

@@ -27,7 +27,7 @@ import torch
 
 from .fusing import product_modules
 from .quantized import (FILE_TYPES, LAYOUT_VERSION, DequantizedRows, MatrixSource, PackedMatrix, QuantizedLinear,
-                        QuantizedMatrix, decode)
+                        QuantizedMatrix, decode, quantize)
 
 #: A decoder layer's GGUF tensor names and the transformers projections they hold.
 _PROJECTIONS = {
@@ -245,6 +245,43 @@ def file_matrices(model: Any, source: str | os.PathLike | GGUFWeights) -> FileMa
             module = head
         entries[module] = (tensor, order)
     return FileMatrices(entries)
+
+
+class RequantizedMatrices(Mapping):
+    """A model's products quantised again to one of :data:`~draftwise.backend.weights.quantized.KINDS`, each when
+    looked up (see :func:`requantized_matrices`)."""
+
+    def __init__(self, file: FileMatrices, floats: list[Any], kind: str) -> None:
+        self._file, self._floats, self._kind = file, floats, kind
+
+    def __getitem__(self, module: Any) -> QuantizedMatrix:
+        if module in self._file:
+            weight = self._file[module].dequantize()
+        elif module in self._floats:
+            weight = module.weight.detach()
+        else:
+            raise KeyError(module)
+        return decode(quantize(weight, self._kind), self._kind)
+
+    def __contains__(self, module: object) -> bool:
+        return module in self._file or module in self._floats
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self._file
+        yield from self._floats
+
+    def __len__(self) -> int:
+        return len(self._file) + len(self._floats)
+
+
+def requantized_matrices(model: Any, file: FileMatrices, kind: str) -> RequantizedMatrices:
+    """The products of ``model`` (from :func:`file_model`) quantised to ``kind`` (``"q8_0"``/``"q4_0"``): the GGUF
+    file's matrices (``file``) de-quantised to the float values transformers' loader gives, and the float matrices
+    ``model`` holds (a file's F16 head, say), each quantised by the ``gguf`` package when looked up, one at a time:
+    the matrices a float checkpoint of the same file quantised on load would get, with no float copy of the model."""
+    floats = [module for module in model.modules()
+              if isinstance(module, torch.nn.Linear) and module not in file and module.weight.device.type != "meta"]
+    return RequantizedMatrices(file, floats, kind)
 
 
 class EmbeddingRows:

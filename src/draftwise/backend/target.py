@@ -8,6 +8,7 @@ public forward, with an explicit 4D attention mask and explicit position ids, on
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,8 +99,9 @@ class Target(ABC):
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    @property
+    @functools.cached_property
     def context_length(self) -> int:
+        # (kept: the engine asks every step, and transformers' config attributes cost microseconds each to read)
         return context_length(self.model)
 
     @abstractmethod

@@ -7,6 +7,7 @@ take about a second. Nothing is ever half-loaded: a failed check or conversion l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -229,7 +230,7 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
     from .backend.weights.gguf_file import (GGUFWeights, file_embedding, file_matrices, file_model, load_packed,
                                             save_packed)
 
-    try:
+    with _load_errors(gguf_file, "GGUF model"):
         folder = _file_metadata(gguf_file, cache_dir)
         packed = folder / "packed.safetensors"
         config = AutoConfig.from_pretrained(str(folder))
@@ -253,12 +254,6 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
             del weights  # closes the file's mapping: only the products' blocks stay resident
             if not target.dequantizing:
                 save_packed(packed, model, target, embedding)
-    except ValueError as error:
-        raise ModelLoadError(f"{gguf_file}: {error}") from None
-    except DraftwiseError:
-        raise
-    except Exception as error:  # the gguf package raises many kinds on a damaged file
-        raise ModelLoadError(f"{gguf_file} is not a readable GGUF model: {type(error).__name__}: {error}") from error
     return target, _folder_tokenizer(folder)
 
 
@@ -307,6 +302,33 @@ def _folder_tokenizer(folder: Path) -> Any:
         return None
 
 
+@contextlib.contextmanager
+def _load_errors(source: Path, what: str) -> Iterator[None]:
+    """Errors from reading ``source`` (a ``what``: "GGUF model", "model") as :class:`ModelLoadError`; the library's
+    own errors pass as they are."""
+    try:
+        yield
+    except ValueError as error:
+        raise ModelLoadError(f"{source}: {error}") from None
+    except DraftwiseError:
+        raise
+    except Exception as error:  # the gguf package raises many kinds on a damaged file
+        raise ModelLoadError(f"{source} is not a readable {what}: {type(error).__name__}: {error}") from error
+
+
+def _checkpoint_model(folder: Path, dtype: torch.dtype) -> Any:
+    """The transformers model of checkpoint ``folder`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    except Exception as error:
+        raise ModelLoadError(
+            f"could not load the checkpoint in {folder}: {error}. If it is a cached conversion, delete that folder "
+            "and load again to rebuild it"
+        ) from error
+
+
 def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str | os.PathLike | None,
                         activation_bits: int) -> LeanTarget:
     """The lean forward of ``source`` (a GGUF file or a checkpoint folder; ``config`` its model's) with its products quantised to ``weights``
@@ -315,8 +337,6 @@ def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str 
     checkpoint is written) and keeps them packed in the cache folder (keyed by the source's files, the kind and the
     packed layout's version); later loads read only the packed file (quantising a 0.5B model takes seconds, reading
     its packed products a fraction of one)."""
-    from transformers import AutoModelForCausalLM
-
     from .backend.weights.gguf_file import (GGUFWeights, file_embedding, file_matrices, file_model, load_packed,
                                             requantized_matrices, save_packed)
     from .backend.weights.quantized import LAYOUT_VERSION
@@ -340,13 +360,7 @@ def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str 
                              embedding=embedding, activation_bits=activation_bits)
         del file  # (closes the file's mapping)
     else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
-        except Exception as error:
-            raise ModelLoadError(
-                f"could not load the checkpoint in {source}: {error}. If it is a cached conversion, delete that "
-                "folder and load again to rebuild it"
-            ) from error
+        model = _checkpoint_model(source, torch.float32).eval()
         embedding = None
         target = make_target(model, "lean", calibrate=False, weights=weights, activation_bits=activation_bits)
     release_float_matrices(target)
@@ -604,8 +618,6 @@ def load_model(
         nor a float checkpoint. The same goes for ``"q8_0"``/``"q4_0"`` on the compiled CPU kernels: the products
         are quantised at the first load and read packed from the cache folder later.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     check_load_activation_bits(activation_bits)
     if weights is None:
         weights = default_weights(name_or_path, dtype, device, backend)
@@ -638,34 +650,19 @@ def load_model(
         from transformers import AutoConfig
 
         source = gguf_file_of(name_or_path, cache_dir) or resolve_checkpoint(name_or_path, cache_dir, progress)
-        try:
+        with _load_errors(source, "model"):
             # (a GGUF file's config and tokenizer from the cache folder weights="file" keeps them in)
             metadata = _file_metadata(source, cache_dir) if source.is_file() else source
             config = AutoConfig.from_pretrained(str(metadata))
             tokenizer = _folder_tokenizer(metadata)
             target = _requantized_target(source, config, weights, cache_dir, activation_bits)
-        except ValueError as error:
-            raise ModelLoadError(f"{source}: {error}") from None
-        except DraftwiseError:
-            raise
-        except Exception as error:  # the gguf package raises many kinds on a damaged file
-            raise ModelLoadError(f"{source} is not a readable model: {type(error).__name__}: {error}") from error
         _calibrate(target, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    except Exception as error:
-        raise ModelLoadError(
-            f"could not load the checkpoint in {folder}: {error}. If it is a cached conversion, delete that folder "
-            "and load again to rebuild it"
-        ) from error
+    model = _checkpoint_model(folder, dtype)
     model.to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception:
-        tokenizer = None
+    tokenizer = _folder_tokenizer(folder)
     target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights, activation_bits=activation_bits)
     target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
     return target, tokenizer

@@ -58,6 +58,10 @@ class AcceptanceTracker:
         accepts, attempts = self._pooled.get(depth, (0.0, 0.0))
         return (accepts + self.pooled_weight * self._prior(depth)) / (attempts + self.pooled_weight)
 
+    def attempts(self, depth: int) -> int:
+        """How many draft tokens of every kind were offered at ``depth``."""
+        return int(self._pooled.get(min(depth, self.max_depth), (0.0, 0.0))[1])
+
     def rate(self, kind: object, depth: int) -> float:
         """Estimated probability that a token at ``depth`` is accepted given that the ones above it were.
 

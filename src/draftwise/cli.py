@@ -39,6 +39,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with quantised weights on the CPU kernels: each row's activations quantised per 32 inputs "
                         "to 16 bits (default: the float model's top token almost everywhere) or 8 (llama.cpp's "
                         "precision: prompts and verification of several rows 1.3-1.5x faster on CPUs without VNNI)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most positions a sequence may reach, prompt and output together (default: the model's "
+                        "context length); on a GPU each step's attention covers this many")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
 
@@ -80,7 +83,7 @@ def _load(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     target, tokenizer = load_model(
         args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend,
-        weights=args.weights, activation_bits=args.activation_bits,
+        weights=args.weights, activation_bits=args.activation_bits, max_model_len=args.max_model_len,
     )
     quantization = getattr(target, "quantization", None)
     weights = f", {quantization} weights" if quantization else ", float weights"
@@ -162,6 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         backend=args.backend,
         weights=args.weights,
         activation_bits=args.activation_bits,
+        max_model_len=args.max_model_len,
         device=args.device,
         threads=args.threads,
         cache_dir=args.cache_dir,
@@ -497,7 +501,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
     name = args.served_model_name or args.model
     load_options = {"dtype": args.dtype, "device": args.device, "backend": args.backend, "cache_dir": args.cache_dir,
-                    "weights": args.weights, "activation_bits": args.activation_bits}
+                    "weights": args.weights, "activation_bits": args.activation_bits,
+                    "max_model_len": args.max_model_len}
     app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,

@@ -490,6 +490,7 @@ def make_target(
     weights: str | None = None,
     gguf_file: str | os.PathLike | None = None,
     activation_bits: int = 16,
+    max_model_len: int | None = None,
 ) -> Target:
     """The engine's :class:`~draftwise.backend.target.Target` for a loaded transformers model.
 
@@ -510,8 +511,10 @@ def make_target(
         gguf_file: the GGUF file for ``weights="file"``.
         activation_bits: the precision quantised products take each row's activations in (see
             :data:`ACTIVATION_BITS`).
+        max_model_len: most positions a sequence may reach (see :func:`load_model`); ``None``: the model's.
     """
     check_load_activation_bits(activation_bits)
+    check_max_model_len(max_model_len)
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     if weights is not None and weights not in WEIGHTS:
@@ -545,8 +548,25 @@ def make_target(
             use_row_efficient_linear(model)
             use_grouped_query_sdpa(model)
         target = TransformersTarget(model)
+    _limit_context(target, max_model_len)
     _calibrate(target, cache_dir, calibrate)
     return target
+
+
+def check_max_model_len(max_model_len: int | None) -> None:
+    """Refuse a ``max_model_len`` that is not a positive whole number (``None`` is the model's own)."""
+    if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                      or max_model_len < 1):
+        raise ModelLoadError(f"max_model_len must be a positive whole number, not {max_model_len!r}")
+
+
+def _limit_context(target: Target, max_model_len: int | None) -> None:
+    if max_model_len is None:
+        return
+    try:
+        target.limit_context(max_model_len)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def _calibrate(target: Target, cache_dir: str | os.PathLike | None, calibrate: bool) -> None:
@@ -585,6 +605,7 @@ def load_model(
     progress: bool = True,
     weights: str | None = None,
     activation_bits: int = 16,
+    max_model_len: int | None = None,
 ) -> tuple[Target, Any]:
     """Load a causal LM and its tokenizer, ready for the engine.
 
@@ -609,6 +630,10 @@ def load_model(
             float model's top token at 95 % of positions, as llama.cpp's own; prompts and verification forwards of
             several rows 1.3-1.5x faster where the CPU has no VNNI). Either way every verification row is bitwise
             plain decoding's with the same setting. ``target.activation_bits`` says which.
+        max_model_len: most positions a sequence may reach, prompt and output together (vLLM's option of the same
+            name; ``None``: the model's context length). Longer requests are refused. On a GPU every step's
+            attention covers this many positions, so a model of long context serving short requests runs faster
+            with a smaller one.
 
     Returns:
         ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
@@ -619,6 +644,7 @@ def load_model(
         are quantised at the first load and read packed from the cache folder later.
     """
     check_load_activation_bits(activation_bits)
+    check_max_model_len(max_model_len)
     if weights is None:
         weights = default_weights(name_or_path, dtype, device, backend)
     if weights is not None and weights not in WEIGHTS:
@@ -642,6 +668,7 @@ def load_model(
         if backend == "transformers":
             raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
         target, tokenizer = _file_target(gguf_file, cache_dir, torch.device(device), activation_bits)
+        _limit_context(target, max_model_len)
         _calibrate(target, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
@@ -656,6 +683,7 @@ def load_model(
             config = AutoConfig.from_pretrained(str(metadata))
             tokenizer = _folder_tokenizer(metadata)
             target = _requantized_target(source, config, weights, cache_dir, activation_bits)
+        _limit_context(target, max_model_len)
         _calibrate(target, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
@@ -663,6 +691,7 @@ def load_model(
     model = _checkpoint_model(folder, dtype)
     model.to(device).eval()
     tokenizer = _folder_tokenizer(folder)
-    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights, activation_bits=activation_bits)
+    target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights, activation_bits=activation_bits,
+                         max_model_len=max_model_len)
     target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
     return target, tokenizer

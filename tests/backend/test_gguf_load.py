@@ -220,3 +220,20 @@ def test_embedding_rows_looked_up_few_or_many_are_the_decoded_table(type_name):
         ids = torch.tensor(tokens)
         assert torch.equal(rows[ids], table[ids])
         assert len(rows.recent) <= 6
+
+
+@needs_kernels
+def test_max_model_len_caps_what_a_sequence_may_reach(tmp_path):
+    """vLLM's ``max_model_len``: a smaller context than the model's, on every load path; a request past it is
+    refused with the limit named, a limit past the model's context or not a positive number at load."""
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
+    for weights in ("file", "float"):
+        target, tokenizer = draftwise.load_model(str(path), weights=weights, calibrate=False, cache_dir=tmp_path,
+                                                 max_model_len=64)
+        assert target.context_length == 64
+        draftwise.generate(target, tokenizer, prompt_ids=list(range(3, 40)), method="ar", max_new_tokens=8)
+        with pytest.raises(draftwise.DraftwiseError, match="64"):
+            draftwise.generate(target, tokenizer, prompt_ids=list(range(3, 70)), method="ar", max_new_tokens=8)
+    for wrong in (0, -5, 2.5, True, 10**7):
+        with pytest.raises(ModelLoadError, match="max_model_len"):
+            draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path, max_model_len=wrong)

@@ -203,3 +203,29 @@ def test_lean_target_picks_the_graphed_forward_on_cuda_only():
     assert type(lean_target(model)) is LeanTarget
     if torch.cuda.is_available():
         assert type(lean_target(model.to("cuda"))) is GraphedLeanTarget
+
+
+def test_a_limited_context_shrinks_every_step_and_keeps_rows_bitwise(device):
+    """``limit_context`` (``max_model_len``): every step's attention covers the limit (plus room for a tree), not the
+    model's context; verification rows stay bitwise plain decoding's, methods give ``ar``'s ids, and a sequence
+    past the limit is a clear error."""
+    target = graphed("qwen2", torch.float32, device, seed=1)
+    full = target.positions
+    target.limit_context(160)
+    assert target.context_length == 160 and target.span == 160 and target.positions < full
+    assert target.positions == -(-(160 + 256 + 1) // target.step_rows) * target.step_rows
+    rng = random.Random(2)
+    prompt = [rng.randrange(target.config.vocab_size) for _ in range(40)]
+    block = random_tree(rng, 24, target.config.vocab_size, 8)
+    cache = target.new_cache(100)
+    target.prefill([cache], [prompt])
+    assert torch.equal(target.forward([cache], [block]).logits[0], torch.stack(plain_rows(target, prompt, block)))
+    batch = [repetitive_prompt(random.Random(7), low=5, high=60) for _ in range(2)]
+    ar = ar_token_ids(target, None, batch, max_new_tokens=40)
+    assert_same_ids_as_ar(target, None, batch, "pld", max_new_tokens=40, expected=ar)
+    cache = target.new_cache(100)
+    target.prefill([cache], [[token % target.config.vocab_size for token in range(1, 150)]])
+    with pytest.raises(ValueError, match="span"):
+        target.forward([cache], [RowBlock.chain(list(range(12)))])
+    with pytest.raises(ValueError, match="max_model_len"):
+        target.limit_context(10**6)

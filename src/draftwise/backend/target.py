@@ -101,8 +101,19 @@ class Target(ABC):
 
     @functools.cached_property
     def context_length(self) -> int:
+        """Most positions a sequence may reach, prompt and output together: the model's, or less where
+        :meth:`limit_context` was given less."""
         # (kept: the engine asks every step, and transformers' config attributes cost microseconds each to read)
         return context_length(self.model)
+
+    def limit_context(self, length: int) -> None:
+        """Let sequences reach at most ``length`` positions (vLLM's ``max_model_len``): longer requests are refused
+        with a clear error. Call it before any sequence starts; targets whose every step covers the whole context
+        (the graphed forward of GPUs) get cheaper steps."""
+        model_length = context_length(self.model)
+        if not 0 < length <= model_length:
+            raise ValueError(f"max_model_len must be 1..{model_length} (the model's context), not {length}")
+        self.context_length = int(length)
 
     @abstractmethod
     def new_cache(self, capacity: int) -> Any:

@@ -187,6 +187,8 @@ def environment(
         # (the precision of the quantised products' activations on the CPU kernels; None where there are none)
         "activation_bits": getattr(model, "kernel_activation_bits", None),
         "backend": getattr(model, "backend", "transformers"),
+        # (most positions a sequence may reach: the model's, or max_model_len where given)
+        "context_length": getattr(model, "context_length", None),
         "row_plan": _row_plan(model),
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),

@@ -68,9 +68,13 @@ def pick_children(q: torch.Tensor, count: int, greedy: bool, generator: torch.Ge
     return torch.multinomial(q.cpu(), count, replacement=False, generator=generator).tolist()
 
 
+#: Calibration buckets of draft probabilities (:func:`confidence_kind`).
+CONFIDENCE_KINDS = 11
+
+
 def confidence_kind(probability: float) -> int:
     """The calibration bucket of a draft token's probability: ``floor(-log2 q)``, 0 (q > 1/2) to 10."""
-    return min(10, int(-math.log2(max(probability, 1e-12))))
+    return min(CONFIDENCE_KINDS - 1, int(-math.log2(max(probability, 1e-12))))
 
 
 class DraftHead:
@@ -562,8 +566,13 @@ class DraftModelDrafter(Drafter):
         tracker, level_seconds = self._shared["tracker"], self._shared["clock"].estimate(1)
         if not self.adaptive or self._latency is None or level_seconds is None:
             return True
-        measured = tracker.attempts(1) >= self.MIN_ATTEMPTS
-        rates = [tracker.pooled_rate(depth) if measured else self.HOPED_ACCEPTANCE for depth in range(1, self.depth + 1)]
+        if tracker.attempts(1) < self.MIN_ATTEMPTS:
+            rates = [self.HOPED_ACCEPTANCE] * self.depth
+        elif self.width == 1:
+            rates = [tracker.pooled_rate(depth) for depth in range(1, self.depth + 1)]
+        else:  # (a tree's siblings mostly fail: the best-calibrated bucket's rate stands for its best path)
+            rates = [max(tracker.rate(kind, depth) for kind in range(CONFIDENCE_KINDS))
+                     for depth in range(1, self.depth + 1)]
         return drafting_can_pay(self._latency, level_seconds, rates, self.MIN_GAIN)
 
     def observe(self, outcome: StepOutcome) -> None:

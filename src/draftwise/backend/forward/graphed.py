@@ -123,26 +123,36 @@ class GraphedLeanTarget(LeanTarget):
         self.step_rows = int(step_rows)
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
         super().__init__(model, self.step_rows, self.step_rows, kernel=False, linear_fixed=True, **options)
-        self.span = self.context_length if span is None else int(span)
-        if not 0 < self.span <= self.context_length:
-            raise ValueError(f"span must be 1..{self.context_length} (the model's context), not {span}")
-        # Room for a tree after the last committed position, and a last position that padding rows write.
-        self.positions = -(-(self.span + TREE_ROWS + 1) // self.step_rows) * self.step_rows
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self._columns = torch.arange(self.positions, device=self.device)
+        self._set_span(self.context_length if span is None else int(span))
         self._chain_path = torch.arange(TREE_DEPTH, device=self.device).expand(self.step_rows, TREE_DEPTH).contiguous()
         self._window_offsets = torch.arange(WINDOW, device=self.device)
         with torch.inference_mode(False):  # (written at every step, in and out of inference mode)
             self._staging = torch.zeros(3 * self.step_rows + 1, dtype=torch.long,
                                         pin_memory=self.device.type == "cuda")
-        self._free: list[_Slot] = []
         self._pool: Any = None
 
     @property
     def attention_path(self) -> str:
         return "graph" if self.graphs else "static"
+
+    def _set_span(self, span: int) -> None:
+        if not 0 < span <= self.context_length:
+            raise ValueError(f"span must be 1..{self.context_length} (the model's context), not {span}")
+        #: Most positions a sequence may reach: every row's attention runs over this many.
+        self.span = span
+        # Room for a tree after the last committed position, and a last position that padding rows write.
+        self.positions = -(-(self.span + TREE_ROWS + 1) // self.step_rows) * self.step_rows
+        self._columns = torch.arange(self.positions, device=self.device)
+        self._free: list[_Slot] = []  # (slots of another span cannot serve)
+
+    def limit_context(self, length: int) -> None:
+        """See :meth:`Target.limit_context`: every step's attention then covers ``length`` positions (plus room for a
+        tree), not the model's whole context."""
+        super().limit_context(length)
+        self._set_span(min(self.span, self.context_length))
 
     # ----------------------------------------------------------------------------------------------- cache
 

@@ -3,6 +3,8 @@ the measured row plan and its fallback, and every method's exactness on it."""
 
 from __future__ import annotations
 
+import json
+
 import random
 import warnings
 
@@ -12,8 +14,8 @@ from equivalence import ar_token_ids, assert_same_ids_as_ar
 from tiny import drafter_for, make_tiny_model, planned, prefilled_caches, repetitive_prompt
 
 import draftwise
-from draftwise.backend.calibration import invariance
-from draftwise.backend.calibration.costs import cost_curves
+from draftwise.backend.calibration import costs, invariance
+from draftwise.backend.calibration.costs import CostCurves, cost_curves, disturbed
 from draftwise.backend.calibration.invariance import InvarianceReport, check_trees, plan_rows
 from draftwise.backend.calibration.machine import MeasurementStore, auto_dtype, resolve_dtype
 from draftwise.backend.forward.lean import BLOCK, PREFILL_PIECE, LeanTarget, _bucket_members, unsupported_reason
@@ -211,6 +213,30 @@ def test_cost_curve_is_measured_once(tmp_path):
     assert set(curves.chain) >= {1, 8, 64} and all(seconds > 0 for seconds in curves.chain.values())
     assert min(curves.tree) == 3 and 64 in curves.tree and all(seconds > 0 for seconds in curves.tree.values())
     assert cost_curves(target, store, measure=False) == curves
+
+
+def test_a_cost_curve_measured_while_the_machine_was_busy_is_measured_again(tmp_path, monkeypatch):
+    # Saved on a 2-core machine while tests ran beside the measurement (seconds, chains): 4 rows cheaper than 3,
+    # 8 rows a third of 6 rows' time, 16 rows 24x one row.
+    busy = CostCurves({1: 0.032, 2: 0.056, 3: 0.083, 4: 0.059, 6: 0.243, 8: 0.084, 16: 0.77},
+                      {3: 0.047, 4: 0.089, 8: 0.242, 16: 0.746})
+    calm = CostCurves({1: 0.006, 2: 0.009, 3: 0.012, 4: 0.015, 8: 0.027, 16: 0.046}, {3: 0.012, 4: 0.015})
+    assert disturbed(busy) and not disturbed(calm)
+    assert not disturbed(CostCurves({1: 0.010, 2: 0.0095, 4: 0.0099}, {}))  # flat within noise (a GPU)
+    target = LeanTarget(model_in("llama", torch.float32))
+    store = MeasurementStore(tmp_path)
+    measured = iter([busy, calm])
+    monkeypatch.setattr(costs, "measure_cost_curves", lambda target: next(measured))
+    assert cost_curves(target, store) == calm  # the busy measurement is taken again at once
+    key_record = next(iter(tmp_path.glob("*.json")))
+    record = json.loads(key_record.read_text())
+    record["cost_curves"] = {shape: {str(rows): value for rows, value in getattr(busy, shape).items()}
+                             for shape in ("chain", "tree")}
+    key_record.write_text(json.dumps(record))  # a busy curve kept by an earlier version
+    assert cost_curves(target, store, measure=False) == busy
+    measured = iter([calm])
+    assert cost_curves(target, store) == calm  # recalled, judged busy, measured again and kept
+    assert cost_curves(target, store, measure=False) == calm
 
 
 def test_unsupported_models_are_refused_or_run_by_transformers(tmp_path):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from draftwise.decoding.latency import GENERIC_PRIOR, LatencyModel
-from draftwise.decoding.policy import size_trees
+from draftwise.decoding.policy import least_paying_score, size_trees
 from draftwise.decoding.tree import DraftTree
 
 
@@ -153,3 +153,23 @@ def test_a_tree_gives_way_to_its_best_path_when_branching_costs_more():
     # Three nodes of one path first: a kept set that does not branch is priced as a chain.
     few = LatencyModel(prior={1: 1.0, 4: 1.0, 5: 9.0}, tree_prior={3: 9.0})
     assert size_trees([tree], few)[0].tokens == (1, 2, 3)
+
+
+@pytest.mark.parametrize("curve", [
+    {1: 1.0, 2: 1.4, 3: 1.8, 4: 2.2, 8: 3.8},  # every row alike
+    {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 1.9},  # the generic shape: early rows nearly free
+    {1: 1.0, 2: 1.7, 3: 1.75, 4: 2.3, 8: 4.6},  # uneven steps
+])
+def test_no_draft_below_the_least_paying_score_is_kept(curve):
+    latency = LatencyModel(prior=curve)
+    floor = least_paying_score(latency, budget=8)
+    averages = [(latency.cost(1 + count) - latency.cost(1)) / count for count in range(1, 9)]
+    assert floor == pytest.approx(min(averages) / latency.cost(1))
+    for count in (1, 2, 5, 8):  # any number of nodes, each just below the floor: none pays
+        assert best_size(latency, [floor * 0.999] * count) == 0
+    assert best_size(latency, [floor * 1.2] * 8) > 0  # just above it, some do
+    assert least_paying_score(latency, budget=0) == 0.0
+    # Of a batch, the plain rate and the extra rows are the batch's.
+    latency.record(4, 0.004, sequences=4)
+    latency.record(8, 0.010, sequences=4)
+    assert least_paying_score(latency, 4, sequences=4) == pytest.approx(4 / 0.004 * (0.010 - 0.004) / 4)

@@ -62,6 +62,27 @@ def size_trees(trees: Sequence[DraftTree], latency: LatencyModel) -> list[DraftT
     return sized
 
 
+def least_paying_score(latency: LatencyModel, budget: int, sequences: int = 1) -> float:
+    """The plain rate ``sequences / time(sequences rows)`` times the least average extra time per row of a draft
+    of 1 to ``budget`` nodes, ``(time(sequences + c rows) - time(sequences rows)) / c`` (chains or trees, the lower).
+
+    A draft whose best node scores below this never pays for its rows: ``c`` nodes add at most ``c`` times that
+    score in expected tokens, less than the plain rate makes of the time they add, so :func:`size_trees` keeps none
+    of them. A node scored below it beside better ones is kept only where the time estimates make its row (nearly)
+    free, and then adds less than this in expected tokens a step: a drafter may leave such nodes out, and skip the
+    work of drafting them.
+    """
+    if budget < 1:
+        return 0.0
+    base = latency.cost(sequences, sequences)
+    least = min(
+        (latency.cost(sequences + count, sequences, tree) - base) / count
+        for tree in (False, True)
+        for count in range(1, budget + 1)
+    )
+    return max(0.0, sequences / base * least)
+
+
 def _best_nodes(trees: Sequence[DraftTree], latency: LatencyModel) -> tuple[list[DraftTree], float]:
     """:func:`size_trees`'s cut of ``trees`` (their best nodes across sequences) and its expected tokens per
     second."""

@@ -274,7 +274,7 @@ class AdedDrafter(Drafter):
             paths += self._searched_paths(found, lookup)
         scores = prefix_scores(paths)
         if "recycled" in self._drafted_sources:
-            self._score_recycled(context, scores)
+            self._score_recycled(context, scores, budget)
         return DraftTree.from_prefix_scores(scores, budget)
 
     @staticmethod
@@ -298,14 +298,19 @@ class AdedDrafter(Drafter):
             self._idle[source] = 0 if source in verified else self._idle[source] + 1
         self._drafted_sources = ()
 
-    def _score_recycled(self, context: Sequence[int], scores: dict[tuple[int, ...], float]) -> None:
-        """Add the recycled-prediction template below the context's last token (kind: rank) to ``scores``, node by
-        node: a node's score is its parent's times its own rate, as for a path through it."""
+    def _score_recycled(self, context: Sequence[int], scores: dict[tuple[int, ...], float], budget: int) -> None:
+        """Add the ``budget`` best nodes of the recycled-prediction template below the context's last token (kind:
+        rank) to ``scores``, node by node: a node's score is its parent's times its own rate, as for a path through
+        it."""
         if self.recycled is None:
             return
         prefixes: list[tuple[int, ...]] = []
         reaches: list[float] = []
-        for ranks, token, parent in self.recycled.fill(context[-1], self.recycle_template):
+        nodes = self.recycled.fill_best(
+            context[-1], self.recycle_template,
+            lambda rank, paired, depth: self.acceptance.rate(("recycled", rank), depth), budget,
+        )
+        for ranks, token, parent, _, _ in nodes:
             prefix = (token,) if parent == ROOT else (*prefixes[parent], token)
             kind = self._kind_of_path.setdefault(prefix, ("recycled", ranks[-1]))
             reach = (1.0 if parent == ROOT else reaches[parent]) * self.acceptance.rate(kind, len(prefix))

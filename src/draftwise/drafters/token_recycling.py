@@ -7,7 +7,8 @@ and is kept across requests by the drafter instance (hot start); :meth:`save` an
 processes. Beyond the published method, the predictions are also kept per pair of tokens (the row's token and the
 one before it) and preferred where known: what follows a token depends on what preceded it. Each template node is
 scored with the learned acceptance rate of its rank path, so the engine verifies only the part of the template that
-pays for itself on this machine.
+pays for itself on this machine; the template is filled best first, as far as the engine could keep nodes (the step's
+budget, scores above what one more row costs), since a step verifies a few nodes of its hundreds of slots.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..decoding.drafter import Drafter, StepOutcome
+from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
+from ..decoding.latency import LatencyModel
+from ..decoding.policy import least_paying_score
 from ..decoding.tree import ROOT, DraftTree
 from .stores.acceptance import AcceptanceTracker
 from .stores.successors import EMPTY, SuccessorMatrix, rank_template
@@ -39,6 +42,9 @@ class TokenRecyclingDrafter(Drafter):
     """
 
     name = "recycling"
+    #: Proposals between two readings of the engine's forward-time model for the score floor (see
+    #: :meth:`_score_floor`).
+    FLOOR_REFRESH = 64
 
     def __init__(
         self,
@@ -54,7 +60,10 @@ class TokenRecyclingDrafter(Drafter):
         self.template = rank_template(depth, rank_budget, top_k)
         self.successors = SuccessorMatrix(top_k, vocab_size, pair_capacity)
         self.acceptance = AcceptanceTracker()
-        self._rank_of_path: dict[tuple[int, ...], int] = {}
+        self._rank_of_path: dict[tuple[int, ...], tuple[int, bool]] = {}
+        self._latency: LatencyModel | None = None
+        self._floor = 0.0
+        self._floor_age = self.FLOOR_REFRESH
 
     @property
     def matrix(self) -> np.ndarray:
@@ -64,6 +73,10 @@ class TokenRecyclingDrafter(Drafter):
     def _own_sequence_state(self) -> None:
         self._rank_of_path = {}
 
+    def attach(self, setup: SequenceSetup) -> None:
+        self._latency = setup.latency
+        self._floor_age = self.FLOOR_REFRESH
+
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         tokens: list[int] = []
         parents: list[int] = []
@@ -71,15 +84,34 @@ class TokenRecyclingDrafter(Drafter):
         token_paths: list[tuple[int, ...]] = []  # each node's tokens from the root down
         self._rank_of_path = {}
         before = context[-2] if len(context) >= 2 else None
-        for ranks, token, parent in self.successors.fill(context[-1], self.template, before):
-            rate = self.acceptance.rate(ranks[-1], len(ranks))
+        nodes = self.successors.fill_best(
+            context[-1], self.template, self._rate, budget, self._score_floor(budget), before
+        )
+        for ranks, token, parent, score, paired in nodes:
             path = (*(token_paths[parent] if parent != ROOT else ()), token)
-            self._rank_of_path[path] = ranks[-1]
+            self._rank_of_path[path] = (ranks[-1], paired)
             tokens.append(token)
             parents.append(parent)
             token_paths.append(path)
-            scores.append(rate if parent == ROOT else scores[parent] * rate)
-        return DraftTree(tuple(tokens), tuple(parents), tuple(scores)).best(budget)
+            scores.append(score)
+        return DraftTree(tuple(tokens), tuple(parents), tuple(scores))
+
+    def _rate(self, rank: int, paired: bool, depth: int) -> float:
+        """Acceptance estimate of a candidate of ``rank`` at ``depth``, read from a pair's row (``paired``) or a
+        single token's: the pair's own predictions are the surer."""
+        return self.acceptance.rate((rank, paired), depth)
+
+    def _score_floor(self, budget: int) -> float:
+        """Half the least score that pays for its row at one sequence (see
+        :func:`~draftwise.decoding.policy.least_paying_score`), refreshed every :attr:`FLOOR_REFRESH` proposals: half,
+        for the forward-time estimates' drift in between and for batches, whose rows are priced apart."""
+        if self._latency is None:
+            return 0.0
+        self._floor_age += 1
+        if self._floor_age >= self.FLOOR_REFRESH:
+            self._floor_age = 0
+            self._floor = 0.5 * least_paying_score(self._latency, budget)
+        return self._floor
 
     def observe(self, outcome: StepOutcome) -> None:
         tree = outcome.tree

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draftwise.drafters.stores.successors import EMPTY, SuccessorMatrix, rank_template
 
@@ -67,3 +69,52 @@ def test_pair_rows_are_preferred_and_bounded():
     published = SuccessorMatrix(top_k=2)  # pair_capacity=0: single-token rows only, pairs in a file are dropped
     published.load_state(successors.state())
     assert published.pairs == {}
+
+
+def full_fill_scores(successors, root, template, rate, before=None):
+    """Every node of the whole template with its score (its parent's times ``rate(rank, paired, depth)``), worked out
+    from :meth:`SuccessorMatrix.fill` and :meth:`SuccessorMatrix.row` by hand."""
+    nodes = successors.fill(root, template, before)
+    scores, paired_rows = [], []
+    for ranks, token, parent in nodes:
+        if parent == -1:  # read from the row of (before, root)
+            paired = successors.row(before, root)[1]
+        else:  # from the row of (the parent's parent's token, the parent's token)
+            grandparent = nodes[parent][2]
+            paired = successors.row(root if grandparent == -1 else nodes[grandparent][1], nodes[parent][1])[1]
+        score = (1.0 if parent == -1 else scores[parent]) * rate(ranks[-1], paired, len(ranks))
+        scores.append(score)
+        paired_rows.append(paired)
+    return nodes, scores, paired_rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), count=st.integers(1, 40))
+def test_best_first_fill_gives_the_best_nodes_of_the_whole_template(seed, count):
+    rng = np.random.default_rng(seed)
+    vocab, top_k = 12, 4
+    successors = SuccessorMatrix(top_k=top_k, pair_capacity=50)
+    for token in range(vocab):  # distinct successors per row, as a model's top-k are
+        successors.record([token], rng.permutation(vocab)[None, :top_k], vocab_size=vocab)
+    for _ in range(20):
+        before, token = (int(value) for value in rng.integers(0, vocab, 2))
+        successors.record([token], rng.permutation(vocab)[None, :top_k], previous_tokens=[before])
+    rates = rng.uniform(0.05, 1.0, size=(top_k, 2, 8))  # by rank, paired, depth: distinct, so no ties
+    rate = lambda rank, paired, depth: float(rates[rank, int(paired), depth])  # noqa: E731
+    template = rank_template(depth=4, rank_budget=3, width=top_k)
+    nodes, scores, paired = full_fill_scores(successors, 3, template, rate, before=5)
+    best = successors.fill_best(3, template, rate, count, before=5)
+    expected = sorted(range(len(nodes)), key=lambda node: -scores[node])[:count]
+    assert len(best) == len(expected)
+    # The same nodes (as token paths), scores and pair flags, best first, parents before children.
+    def path(found, node):
+        return () if node == -1 else (*path(found, found[node][2]), found[node][1])
+    assert [path(best, node) for node in range(len(best))] == [path(nodes, node) for node in expected]
+    assert [entry[3] for entry in best] == pytest.approx([scores[node] for node in expected])
+    assert [entry[4] for entry in best] == [paired[node] for node in expected]
+    assert all(parent < node for node, (_, _, parent, _, _) in enumerate(best))
+    # A floor leaves out the nodes scored below it, but never the best one.
+    floor = float(np.median(scores))
+    above = successors.fill_best(3, template, rate, len(template), floor=floor, before=5)
+    assert [entry[3] for entry in above] == pytest.approx(sorted((s for s in scores if s >= floor), reverse=True))
+    assert len(successors.fill_best(3, template, rate, 5, floor=2.0, before=5)) == 1

@@ -22,6 +22,13 @@ from .machine import MeasurementStore, machine_key
 #: Row counts the curves are measured at (the latency model interpolates between them); trees from three rows (the
 #: root and two children).
 CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: A curve where some row count took less than this share of a smaller count's time was measured while something
+#: else ran (a forward of more rows never costs less): it is measured again, when measured and when recalled. Kept,
+#: such a curve priced drafts on that machine for good (seen: 16 rows at 24x one row, 8 rows at a third of 6 rows'
+#: time, and drafting all but off).
+DISTURBED_BELOW = 0.8
+#: Measurements of a curve at most, while they come out disturbed.
+MEASURE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,18 @@ class CostCurves:
 
     chain: dict[int, float]
     tree: dict[int, float]
+
+
+def disturbed(curves: CostCurves, below: float = DISTURBED_BELOW) -> bool:
+    """Whether some row count of ``curves`` took less than ``below`` times the time of a smaller count of the same
+    kind: a sign that the machine was busy with something else while they were measured."""
+    for curve in (curves.chain, curves.tree):
+        dearest = 0.0
+        for rows in sorted(curve):
+            if curve[rows] < below * dearest:
+                return True
+            dearest = max(dearest, curve[rows])
+    return False
 
 
 def two_branches(count: int) -> tuple[int, ...]:
@@ -76,7 +95,8 @@ def measure_cost_curves(
 
 def cost_curves(target: Any, store: MeasurementStore | None = None, measure: bool = True) -> CostCurves | None:
     """The target's cost curves: recalled from this machine's measurements, else measured (when ``measure``) and
-    kept."""
+    kept. A recalled or new curve that looks :func:`disturbed` is measured again (up to :data:`MEASURE_ATTEMPTS`
+    times; the last is kept)."""
     store = store if store is not None else MeasurementStore()
     # (New compiled kernels change the costs: they are measured again.)
     key = machine_key(target.device, target.dtype, {**model_shape(target), "backend": target.backend,
@@ -84,11 +104,16 @@ def cost_curves(target: Any, store: MeasurementStore | None = None, measure: boo
     record = store.load(key)
     saved = record.get("cost_curves")
     if saved:
-        return CostCurves(*({int(rows): float(value) for rows, value in saved[shape].items()}
-                            for shape in ("chain", "tree")))
+        curves = CostCurves(*({int(rows): float(value) for rows, value in saved[shape].items()}
+                              for shape in ("chain", "tree")))
+        if not measure or not disturbed(curves):
+            return curves
     if not measure:
         return None
-    curves = measure_cost_curves(target)
+    for _ in range(MEASURE_ATTEMPTS):
+        curves = measure_cost_curves(target)
+        if not disturbed(curves):
+            break
     record["cost_curves"] = {
         **{shape: {str(rows): value for rows, value in getattr(curves, shape).items()} for shape in ("chain", "tree")},
     }

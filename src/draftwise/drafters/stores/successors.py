@@ -3,13 +3,14 @@ that recycles them (``recycling`` itself, and ``aded`` beside its tri-gram searc
 
 Every verification forward computes the model's distribution at every row, rejected rows included; the top-k tokens
 of each row are what the model most likely emits after that row's token. :class:`SuccessorMatrix` keeps, per token,
-the latest such top-k, and fills a tree template from them breadth first (the root's children are ``M[root]``, their
-children ``M[child]``, ...).
+the latest such top-k, and fills a tree template from them (the root's children are ``M[root]``, their children
+``M[child]``, ...), best-scored slots first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ class SuccessorMatrix:
         self.matrix = np.full((vocab_size or 0, top_k), EMPTY, dtype=np.int32)
         self.pair_capacity = pair_capacity
         self.pairs: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._template_parents: tuple[Sequence[tuple[int, ...]], list[int]] | None = None
+        self._template_children: tuple[Sequence[tuple[int, ...]], dict[int, list[int]]] | None = None
 
     def _ensure_rows(self, rows: int) -> None:
         if rows > self.matrix.shape[0]:
@@ -97,53 +98,88 @@ class SuccessorMatrix:
         self.record(row_tokens, top, rows.shape[-1], previous_tokens)
         return top
 
-    def _row(self, before: int | None, token: int) -> Sequence[int]:
+    def row(self, before: int | None, token: int) -> tuple[Sequence[int], bool]:
+        """The successors of ``token`` after ``before`` (``None``: unknown), best first, and whether they are the
+        pair's own (else the token's row, or nothing where the token was never seen)."""
         if self.pairs and before is not None:
             row = self.pairs.get((before, token))
             if row is not None:
-                return row
-        return self.matrix[token].tolist() if token < self.matrix.shape[0] else ()
+                return row, True
+        return (self.matrix[token].tolist() if token < self.matrix.shape[0] else ()), False
 
     def fill(
         self, root: int, template: Sequence[tuple[int, ...]], before: int | None = None
     ) -> list[tuple[tuple[int, ...], int, int]]:
         """Fill ``template`` below ``root`` (preceded by ``before``, if known): ``(ranks, token, parent)`` per node,
-        parents first (``parent`` indexes this list, -1 = the root). A slot whose parent is missing, whose entry is
-        empty or whose token repeats a sibling is skipped."""
-        nodes: list[tuple[tuple[int, ...], int, int]] = []
-        node_of_slot: list[int] = []  # by template slot: its node, -2 when skipped
+        parents first (``parent`` indexes this list, -1 = the root), in the template's order. A slot whose parent is
+        missing, whose entry is empty or whose token repeats a sibling is skipped."""
+        nodes = self.fill_best(root, template, lambda rank, paired, depth: 1.0, len(template), before=before)
+        return [(ranks, token, parent) for ranks, token, parent, _, _ in nodes]
+
+    def fill_best(
+        self,
+        root: int,
+        template: Sequence[tuple[int, ...]],
+        rate: Callable[[int, bool, int], float],
+        count: int,
+        floor: float = 0.0,
+        before: int | None = None,
+    ) -> list[tuple[tuple[int, ...], int, int, float, bool]]:
+        """The ``count`` best-scored nodes of :meth:`fill`'s tree, best first (so parents first):
+        ``(ranks, token, parent, score, paired)`` each, ``parent`` indexing this list (-1 = the root), ``paired``
+        whether the node was read from its parent's pair row (see :meth:`row`).
+
+        A node's score is its parent's times ``rate(rank, paired, depth)``, so slots are looked up best first and
+        only as far as needed: ``count`` nodes instead of the whole template (hundreds of slots, where a step
+        verifies a few nodes). Nodes scored below ``floor`` are left out, and with them their descendants, which
+        score no higher, except the best node, always kept. Where two slots of one parent hold the same token, the
+        better-scored one keeps it.
+        """
+        children = self._children_slots(template)
+        rows: list[tuple[Sequence[int], bool]] = []  # by node: the row its children are read from
+        root_row, root_paired = self.row(before, root)
+
+        def push(heap: list, node: int, row_paired: bool, score: float, depth: int, slots: Sequence[int]) -> None:
+            for slot in slots:
+                rank = template[slot][-1]
+                heapq.heappush(heap, (-score * rate(rank, row_paired, depth), depth, slot, node))
+
+        heap: list[tuple[float, int, int, int]] = []
+        push(heap, -1, root_paired, 1.0, 1, children.get(-1, ()))
+        nodes: list[tuple[tuple[int, ...], int, int, float, bool]] = []
         siblings: set[tuple[int, int]] = set()
-        rows: dict[int, Sequence[int]] = {-1: self._row(before, root)}
-        for ranks, parent_slot in zip(template, self._parent_slots(template)):
-            parent = parent_slot if parent_slot < 0 else node_of_slot[parent_slot]
-            node_of_slot.append(-2)
-            if parent == -2:
-                continue
-            row = rows.get(parent)
-            if row is None:
-                grandparent = nodes[parent][2]
-                row = rows[parent] = self._row(root if grandparent == -1 else nodes[grandparent][1], nodes[parent][1])
+        while heap and len(nodes) < count:
+            negative_score, depth, slot, parent = heapq.heappop(heap)
+            if -negative_score < floor and nodes:
+                break
+            row, paired = rows[parent] if parent >= 0 else (root_row, root_paired)
+            ranks = template[slot]
             if ranks[-1] >= len(row):
                 continue
             token = int(row[ranks[-1]])
             if token == EMPTY or (parent, token) in siblings:
                 continue
             siblings.add((parent, token))
-            node_of_slot[-1] = len(nodes)
-            nodes.append((ranks, token, parent))
+            node = len(nodes)
+            nodes.append((ranks, token, parent, -negative_score, paired))
+            previous = root if parent < 0 else nodes[parent][1]
+            rows.append(self.row(previous, token))
+            push(heap, node, rows[node][1], -negative_score, depth + 1, children.get(slot, ()))
         return nodes
 
-    def _parent_slots(self, template: Sequence[tuple[int, ...]]) -> list[int]:
-        """Each template slot's parent slot (-1 below the root, -2 when its parent path is not listed before it: never
-        filled), worked out once per template: every step fills the same one."""
-        cached = self._template_parents
+    def _children_slots(self, template: Sequence[tuple[int, ...]]) -> dict[int, list[int]]:
+        """Each template slot's child slots (-1: the root's), worked out once per template: every step fills the same
+        one. A slot whose parent path is not listed before it is never filled."""
+        cached = self._template_children
         if cached is None or cached[0] is not template:
             first_slot: dict[tuple[int, ...], int] = {}
-            parents = []
+            children: dict[int, list[int]] = {}
             for slot, ranks in enumerate(template):
-                parents.append(-1 if len(ranks) == 1 else first_slot.get(ranks[:-1], -2))
+                parent = -1 if len(ranks) == 1 else first_slot.get(ranks[:-1], -2)
+                if parent != -2:
+                    children.setdefault(parent, []).append(slot)
                 first_slot.setdefault(ranks, slot)
-            cached = self._template_parents = (template, parents)
+            cached = self._template_children = (template, children)
         return cached[1]
 
     def state(self) -> dict[str, np.ndarray]:

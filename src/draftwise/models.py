@@ -548,8 +548,7 @@ def make_target(
             use_row_efficient_linear(model)
             use_grouped_query_sdpa(model)
         target = TransformersTarget(model)
-    _limit_context(target, max_model_len)
-    _calibrate(target, cache_dir, calibrate)
+    _finish_target(target, max_model_len, cache_dir, calibrate)
     return target
 
 
@@ -560,18 +559,17 @@ def check_max_model_len(max_model_len: int | None) -> None:
         raise ModelLoadError(f"max_model_len must be a positive whole number, not {max_model_len!r}")
 
 
-def _limit_context(target: Target, max_model_len: int | None) -> None:
-    if max_model_len is None:
-        return
-    try:
-        target.limit_context(max_model_len)
-    except ValueError as error:
-        raise ModelLoadError(str(error)) from None
-
-
-def _calibrate(target: Target, cache_dir: str | os.PathLike | None, calibrate: bool) -> None:
-    """Measure (or recall) ``target``'s row plan (lean forward) and cost curves on this machine (see
-    :func:`make_target`)."""
+def _finish_target(
+    target: Target, max_model_len: int | None, cache_dir: str | os.PathLike | None, calibrate: bool
+) -> None:
+    """Limit ``target``'s context to ``max_model_len`` (where given), then measure (or recall) its row plan (lean
+    forward) and cost curves on this machine (see :func:`make_target`): in that order, so that the measured forwards
+    are the ones that will run (the graphed forward's attention covers the limited span)."""
+    if max_model_len is not None:
+        try:
+            target.limit_context(max_model_len)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
     if not calibrate:
         return
     store = MeasurementStore(Path(cache_dir) / "machine" if cache_dir is not None else None)
@@ -668,8 +666,7 @@ def load_model(
         if backend == "transformers":
             raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
         target, tokenizer = _file_target(gguf_file, cache_dir, torch.device(device), activation_bits)
-        _limit_context(target, max_model_len)
-        _calibrate(target, cache_dir, calibrate)
+        _finish_target(target, max_model_len, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
     if (weights in ("q8_0", "q4_0") and backend != "transformers" and dtype == torch.float32
@@ -683,8 +680,7 @@ def load_model(
             config = AutoConfig.from_pretrained(str(metadata))
             tokenizer = _folder_tokenizer(metadata)
             target = _requantized_target(source, config, weights, cache_dir, activation_bits)
-        _limit_context(target, max_model_len)
-        _calibrate(target, cache_dir, calibrate)
+        _finish_target(target, max_model_len, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
     folder = resolve_checkpoint(name_or_path, cache_dir, progress)

@@ -105,6 +105,12 @@ class GraphedLeanTarget(LeanTarget):
         span: most positions a sequence may reach (default: the model's context length); every row's attention
             runs over this many, so a smaller span is cheaper, and a longer sequence is an error.
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
+        compiled: run the step through ``torch.compile`` (default off). The step has one shape, so it compiles
+            once per target (at its first step: tens of seconds, less when PyTorch's compile cache on the machine
+            holds it), and its kernels fuse the dozens of small operations each layer launches (a graphed GPU step
+            is bound by their count, not by the weights it reads). Every step of every sequence runs the same
+            compiled step, so its rows stay bitwise plain decoding's (with the compiled step's own rounding, not
+            the eager step's). Tested on CPUs; not yet measured on a GPU, hence not the default there.
         step_rows: rows of every step, at most :data:`TREE_DEPTH` (default :data:`STEP_ROWS` in 16-bit dtypes,
             :data:`FLOAT32_STEP_ROWS` in float32). A longer block runs as several steps; a sequence's bits depend on
             this number.
@@ -114,18 +120,26 @@ class GraphedLeanTarget(LeanTarget):
     """
 
     def __init__(self, model: Any, span: int | None = None, graphs: bool | None = None, step_rows: int | None = None,
-                 **options: Any) -> None:
+                 compiled: bool = False, **options: Any) -> None:
         if step_rows is None:
             step_rows = FLOAT32_STEP_ROWS if model.dtype == torch.float32 else STEP_ROWS
         if not 1 <= step_rows <= TREE_DEPTH:  # (a chain step's rows find their ancestors within TREE_DEPTH)
             raise ValueError(f"step_rows must be 1..{TREE_DEPTH}, not {step_rows}")
         #: Rows of every step (every product runs at exactly this many).
         self.step_rows = int(step_rows)
+        on_cuda = model_device(model).type == "cuda"
+        self.graphs = on_cuda if graphs is None else graphs
+        if self.graphs and not on_cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        #: Whether steps run through ``torch.compile`` (layer-skipping drafts' steps run eagerly either way).
+        self.compiled = bool(compiled)
+        if self.compiled:
+            options["packed"] = False  # (oneDNN's packed weights, on CPUs, have no compiled form)
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
         super().__init__(model, self.step_rows, self.step_rows, kernel=False, linear_fixed=True, **options)
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        if self.graphs and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+        # (one compiled function per target: every step has the same shape, so it is traced and compiled once)
+        self._step_function = (torch.compile(self._full_step, dynamic=False) if self.compiled
+                               else self._full_step)
         self._set_span(self.context_length if span is None else int(span))
         self._chain_path = torch.arange(TREE_DEPTH, device=self.device).expand(self.step_rows, TREE_DEPTH).contiguous()
         self._window_offsets = torch.arange(WINDOW, device=self.device)
@@ -251,9 +265,11 @@ class GraphedLeanTarget(LeanTarget):
     def _step(self, slot: _Slot, skip: LayerSkip | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The step over ``slot``'s inputs: the final normed states and the logits of all ``step_rows`` rows
         (static buffers when replayed: read them before the next step)."""
-        if skip is not None or not self.graphs:
+        if skip is not None or not (self.graphs or self.compiled):
             states = self._layers(slot, skip)
             return states, (self.head(states) if want_logits else states)
+        if not self.graphs:
+            return self._step_function(slot)
         if slot.graph is None:
             self._capture(slot)
         slot.graph.replay()
@@ -268,14 +284,18 @@ class GraphedLeanTarget(LeanTarget):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.head(self._layers(slot, None))
+            for _ in range(2):  # (the first compiles the step, where it is compiled)
+                self._step_function(slot)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            states = self._layers(slot, None)
-            logits = self.head(states)
+            states, logits = self._step_function(slot)
         slot.graph, slot.states, slot.logits = graph, states, logits
+
+    def _full_step(self, slot: _Slot) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole step over ``slot``'s inputs, no layer skipped: the final normed states and the logits."""
+        states = self._layers(slot, None)
+        return states, self.head(states)
 
     def _layers(self, slot: _Slot, skip: LayerSkip | None) -> torch.Tensor:
         """The decoder layers over the step's rows; returns the final normed states ``(step_rows, hidden)``."""

@@ -199,7 +199,8 @@ def test_steps_that_say_nothing_of_drafting_are_not_measured():
     policy = DraftingPolicy(LatencyModel())
     policy.after_step(4, True, 1, 1.0, exploring=True)  # an exploring step is not expected to pay
     policy.after_step(4, False, 4, 0.0)  # no time measured
-    assert policy.state(4) == BatchState()
+    # (the rejected exploration only lengthens the wait before the next one)
+    assert policy.state(4) == BatchState(explore_wait=2 * DraftingPolicy.EXPLORE_EVERY)
 
 
 def test_a_batch_that_always_drafts_still_measures_plain_steps():
@@ -252,6 +253,33 @@ def test_exploration_after_explore_every_steps_without_a_verified_node():
     cheap = DraftingPolicy(LatencyModel(prior={1: 1.0, 16: 1.0}), explore_every=2)
     assert cheap.choose([WINNING], stats).drafted
     assert cheap.state(1).steps_since_verified_draft == 0
+
+
+def test_rejected_explorations_wait_twice_as_long_before_the_next():
+    """Where nothing is accepted, exploring rows come ever more rarely (16, 32, 64, ... steps apart, up to
+    MAX_EXPLORE_EVERY); an accepted exploration, or drafts the cost rule keeps, restore the usual wait."""
+    policy = DraftingPolicy(LatencyModel(prior={1: 1.0, 2: 10.0, 64: 640.0}), explore_every=4)
+    low = DraftTree((1, 2), (-1, 0), (0.01, 0.005))
+    stats = [GenerationStats()]
+
+    def steps_to_next_exploration() -> int:
+        for step in range(1, 1000):
+            if policy.choose([low], stats).exploring:
+                return step
+        raise AssertionError("never explored")
+
+    waits = []
+    for _ in range(8):
+        waits.append(steps_to_next_exploration())
+        policy.after_step(1, True, 1, 0.01, exploring=True)  # rejected: one token for one sequence
+    assert waits == [4, 8, 16, 32, 64, 128, 256, 256]
+    policy.after_step(1, True, 2, 0.01, exploring=True)  # the last one accepted after all
+    assert steps_to_next_exploration() == 4
+    policy.after_step(1, True, 1, 0.01, exploring=True)
+    assert policy.state(1).explore_wait == 8
+    cheap_costs = DraftingPolicy(LatencyModel(prior={1: 1.0, 16: 1.0}))
+    cheap_costs.state(1).explore_wait = 64
+    assert cheap_costs.choose([WINNING], stats).drafted and cheap_costs.state(1).explore_wait == 0
 
 
 def test_each_batch_size_keeps_its_own_state():

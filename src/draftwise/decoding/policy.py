@@ -27,7 +27,9 @@ The :class:`~draftwise.decoding.engine.Decoder` runs the mechanism (draft -> ver
 * **Exploration** (:func:`explore`). Drafters learn their acceptance from verified nodes only: a source whose
   estimate fell below break-even would never be verified again, so never corrected. After
   :attr:`DraftingPolicy.EXPLORE_EVERY` steps without a verified node, when the cost rule drops every node on offer,
-  the best one is verified anyway (one row).
+  the best one is verified anyway (one row). Each explored node that is rejected doubles that wait (up to
+  :attr:`DraftingPolicy.MAX_EXPLORE_EVERY`): where nothing is accepted (open-ended chat for a copying drafter) an
+  exploring row every 16 steps costs a few percent on a CPU whose second row is dear.
 
 A decoder uses the policy in three calls per step: :meth:`DraftingPolicy.drafting` (ask the drafters at all?),
 :meth:`DraftingPolicy.choose` (which of their drafts to verify) and :meth:`DraftingPolicy.after_step` (how the step
@@ -197,6 +199,9 @@ class BatchState:
             than plain ones (0 once they did not; see :meth:`DraftingPolicy.after_step`).
         drafted_steps_since_plain: measured steps with drafts since the last one without.
         steps_since_verified_draft: steps since one verified a draft node (see :func:`explore`).
+        explore_wait: steps without a verified node before the next exploration (0: the policy's
+            :attr:`~DraftingPolicy.EXPLORE_EVERY`); doubled after a rejected exploration, reset by an accepted one or
+            a step whose drafts the cost rule kept.
     """
 
     paused_steps_left: int = 0
@@ -206,6 +211,7 @@ class BatchState:
     throughput_pause_length: int = 0
     drafted_steps_since_plain: int = 0
     steps_since_verified_draft: int = 0
+    explore_wait: int = 0
 
     def rate(self, drafted: bool) -> MeasuredRate | None:
         """The measured rate of steps with drafts (``drafted``) or without."""
@@ -261,6 +267,8 @@ class DraftingPolicy:
     #: Steps without a verified draft node after which, when the cost rule drops every node on offer, the best one is
     #: verified anyway (see :func:`explore`).
     EXPLORE_EVERY = 16
+    #: Longest wait between explorations, reached by doubling after each rejected one.
+    MAX_EXPLORE_EVERY = 256
 
     def __init__(
         self,
@@ -321,6 +329,10 @@ class DraftingPolicy:
         """
         batch_size = len(trees)
         offered = sum(len(tree) for tree in trees)
+        state = self.state(batch_size)
+        if not offered:  # (most steps of most drafters: nothing to price, explore or judge)
+            state.steps_since_verified_draft += 1
+            return Choice(list(trees))
         if sampling:
             trees = [priced_by_acceptance(tree, sequence_stats) for tree, sequence_stats in zip(trees, stats)]
         elif batch_size > 1:
@@ -328,15 +340,17 @@ class DraftingPolicy:
         if batch_size > 1 and batch_chains:
             trees = [tree.best_path() for tree in trees]
         offers, sized = trees, size_trees(trees, self.latency)
-        state = self.state(batch_size)
         since_verified = state.steps_since_verified_draft + 1
-        exploring = offered > 0 and since_verified >= self.EXPLORE_EVERY and not any(len(tree) for tree in sized)
+        exploring = (since_verified >= (state.explore_wait or self.EXPLORE_EVERY)
+                     and not any(len(tree) for tree in sized))
         if exploring:
             sized = explore(offers)
-        elif offered:  # (an empty proposal, say while a drafter is still learning, costs next to nothing)
+        else:
             self.judge_drafting(sized, draft_seconds)
         choice = Choice(sized, exploring)
         state.steps_since_verified_draft = 0 if choice.drafted else since_verified
+        if choice.drafted and not exploring:
+            state.explore_wait = 0  # (the cost rule found drafts worth their rows again)
         return choice
 
     def judge_drafting(self, trees: Sequence[DraftTree], draft_seconds: float) -> None:
@@ -377,9 +391,15 @@ class DraftingPolicy:
         and then to measure them (every :attr:`PLAIN_STEP_EVERY` drafted steps, and after every drafted step until
         :attr:`RATE_MIN_STEPS` plain ones are measured). Batch 1 keeps the cost rule alone, except under sampling
         (``sampling``: some sequence samples), where acceptance is low and noisy enough that measured rates decide
-        too; an exploring step (``exploring``) is not expected to pay: it says nothing of drafting's rate.
+        too; an exploring step (``exploring``) is not expected to pay: it says nothing of drafting's rate, only
+        whether its node was accepted (more ``tokens`` than sequences), which sets the wait before the next.
         """
-        if exploring or (batch_size < 2 and not sampling) or seconds <= 0:
+        if exploring:
+            state = self.state(batch_size)
+            state.explore_wait = (0 if tokens > batch_size
+                                  else min(2 * (state.explore_wait or self.EXPLORE_EVERY), self.MAX_EXPLORE_EVERY))
+            return
+        if (batch_size < 2 and not sampling) or seconds <= 0:
             return
         state = self.state(batch_size)
         rate = tokens / seconds

@@ -231,6 +231,12 @@ class TreeGrowth:
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), draft_probs)
 
 
+def _finished(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU's), so that a timed draft forward counts its running time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class LevelClock:
     """Seconds of a draft forward by row count, learned as drafting goes (a moving average per count)."""
 
@@ -427,8 +433,10 @@ class DraftModelDrafter(Drafter):
             draft.prefill([cache], [[(7 * index) % vocab for index in range(self.LEVEL_PROMPT)]], **extra)
             seconds = []
             for _ in range(5):
+                _finished(draft.device)
                 started = time.perf_counter()
                 draft.forward([cache], [RowBlock.chain([1])], **extra)
+                _finished(draft.device)
                 seconds.append(time.perf_counter() - started)
         return sorted(seconds)[len(seconds) // 2]
 
@@ -539,6 +547,7 @@ class DraftModelDrafter(Drafter):
                     break
                 level_started = time.perf_counter()
                 q_rows, ids = self._distribution(self._level(draft, growth, expand))
+                _finished(draft.device)  # (the level's time, not its launch's)
                 clock.record(rows, time.perf_counter() - level_started)
                 if self.width == 1:
                     chain.append(growth.tokens[expand[0]])

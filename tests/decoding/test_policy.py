@@ -277,6 +277,9 @@ def test_rejected_explorations_wait_twice_as_long_before_the_next():
     assert steps_to_next_exploration() == 4
     policy.after_step(1, True, 1, 0.01, exploring=True)
     assert policy.state(1).explore_wait == 8
+    rare = DraftingPolicy(LatencyModel(prior={1: 1.0, 2: 10.0}), explore_every=1000)
+    rare.after_step(1, True, 1, 0.01, exploring=True)
+    assert rare.state(1).explore_wait == 1000  # (never shorter than the policy's own wait)
     cheap_costs = DraftingPolicy(LatencyModel(prior={1: 1.0, 16: 1.0}))
     cheap_costs.state(1).explore_wait = 64
     assert cheap_costs.choose([WINNING], stats).drafted and cheap_costs.state(1).explore_wait == 0

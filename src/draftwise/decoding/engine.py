@@ -346,8 +346,9 @@ class Decoder:
                 update(sequence, tree, verification, logits, context, event, hidden)
                 sequence.stats.time_s = time.perf_counter() - sequence.started
                 events_by_sequence[id(sequence)] = event
-            if not prompt_chunks:
-                assert choice is not None
+            # (a step that also prefilled prompt pieces says nothing of drafting's rate; an exploration in it still
+            # tells whether its node was accepted)
+            if choice is not None and (not prompt_chunks or choice.exploring):
                 self.policy.after_step(
                     len(active),
                     choice.drafted,

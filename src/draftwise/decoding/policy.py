@@ -124,8 +124,8 @@ def explore(trees: Sequence[DraftTree]) -> list[DraftTree]:
 
     Drafters learn their acceptance from verified nodes only: a source whose estimate fell below break-even (a few
     unlucky early prompts) would never be verified again, so never corrected, even where it would now pay. One
-    node every :attr:`DraftingPolicy.EXPLORE_EVERY` steps costs one row; unscored trees are never dropped, so never
-    explored."""
+    node every :attr:`DraftingPolicy.EXPLORE_EVERY` steps or more (see :attr:`BatchState.explore_wait`) costs one
+    row; unscored trees are never dropped, so never explored."""
     best = max(
         ((max(tree.scores), index) for index, tree in enumerate(trees) if tree.scores),
         default=None,
@@ -201,7 +201,7 @@ class BatchState:
         steps_since_verified_draft: steps since one verified a draft node (see :func:`explore`).
         explore_wait: steps without a verified node before the next exploration (0: the policy's
             :attr:`~DraftingPolicy.EXPLORE_EVERY`); doubled after a rejected exploration, reset by an accepted one or
-            a step whose drafts the cost rule kept.
+            by a step that verifies drafts without exploring.
     """
 
     paused_steps_left: int = 0
@@ -323,8 +323,8 @@ class DraftingPolicy:
         unscored tree is verified whole), keeping each tree's best path where the target verifies a batch's chains
         only (``batch_chains``). Under sampling every draft, alone or in a batch, scored or not, is priced by its
         sequence's measured acceptance (:func:`priced_by_acceptance`). Then the cost rule (:func:`size_trees`)
-        keeps what pays. Were nothing kept of what was offered, after :attr:`EXPLORE_EVERY` steps without a
-        verified node the best node is explored (:func:`explore`); otherwise, if anything was offered,
+        keeps what pays. Were nothing kept of what was offered, after :attr:`BatchState.explore_wait` steps without a
+        verified node (:attr:`EXPLORE_EVERY` at first) the best node is explored (:func:`explore`); otherwise, if anything was offered,
         :meth:`judge_drafting` weighs the drafts against their drafting time.
         """
         batch_size = len(trees)
@@ -397,7 +397,8 @@ class DraftingPolicy:
         if exploring:
             state = self.state(batch_size)
             state.explore_wait = (0 if tokens > batch_size
-                                  else min(2 * (state.explore_wait or self.EXPLORE_EVERY), self.MAX_EXPLORE_EVERY))
+                                  else min(2 * (state.explore_wait or self.EXPLORE_EVERY),
+                                           max(self.MAX_EXPLORE_EVERY, self.EXPLORE_EVERY)))
             return
         if (batch_size < 2 and not sampling) or seconds <= 0:
             return

@@ -231,7 +231,7 @@ class TreeGrowth:
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), draft_probs)
 
 
-def _finished(device: torch.device) -> None:
+def finish_queued_work(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a GPU's), so that a timed draft forward counts its running time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -433,10 +433,10 @@ class DraftModelDrafter(Drafter):
             draft.prefill([cache], [[(7 * index) % vocab for index in range(self.LEVEL_PROMPT)]], **extra)
             seconds = []
             for _ in range(5):
-                _finished(draft.device)
+                finish_queued_work(draft.device)
                 started = time.perf_counter()
                 draft.forward([cache], [RowBlock.chain([1])], **extra)
-                _finished(draft.device)
+                finish_queued_work(draft.device)
                 seconds.append(time.perf_counter() - started)
         return sorted(seconds)[len(seconds) // 2]
 
@@ -547,7 +547,7 @@ class DraftModelDrafter(Drafter):
                     break
                 level_started = time.perf_counter()
                 q_rows, ids = self._distribution(self._level(draft, growth, expand))
-                _finished(draft.device)  # (the level's time, not its launch's)
+                finish_queued_work(draft.device)  # (the level's time, not its launch's)
                 clock.record(rows, time.perf_counter() - level_started)
                 if self.width == 1:
                     chain.append(growth.tokens[expand[0]])

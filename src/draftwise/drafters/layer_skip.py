@@ -44,7 +44,7 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.tree import ROOT, DraftTree
 from ..decoding.verify import greedy_choice
 from ..errors import UnsupportedModelError
-from .draft_model import LevelClock, TreeGrowth, draft_distribution, worth_another_level
+from .draft_model import LevelClock, TreeGrowth, draft_distribution, finish_queued_work, worth_another_level
 from .stores.acceptance import AcceptanceTracker
 
 #: A sub-layer: (layer index, "attention" or "mlp").
@@ -320,6 +320,7 @@ class LayerSkipDrafter(Drafter):
                 level_started = time.perf_counter()
                 logits = target.forward([self._cache], [RowBlock.chain([token])], skip=skip).logits[0][-1]
                 target.commit(self._cache, [0])
+                finish_queued_work(target.device)  # (the level's time, not its launch's)
                 clock.record(1, time.perf_counter() - level_started)
                 q = draft_distribution(logits, self._sampling)
                 added = growth.add_children(node, q, 1, greedy, self._generator)

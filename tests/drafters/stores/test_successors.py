@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +70,27 @@ def test_pair_rows_are_preferred_and_bounded():
     published = SuccessorMatrix(top_k=2)  # pair_capacity=0: single-token rows only, pairs in a file are dropped
     published.load_state(successors.state())
     assert published.pairs == {}
+
+
+def test_observations_written_later_read_as_if_written_at_once():
+    """observe() keeps a step's top-k rows until something reads them: every read, and record(), sees them all, in
+    the order they were made; PENDING_LIMIT of them are written without waiting for a read."""
+    logits = torch.full((2, 10), -1.0)
+    logits[0, [3, 4]] = torch.tensor([2.0, 1.0])
+    logits[1, [6, 5]] = torch.tensor([2.0, 1.0])
+    successors = SuccessorMatrix(top_k=2, pair_capacity=8)
+    top = successors.observe([1, 2], [7, 1], logits)
+    assert top.tolist() == [[3, 4], [6, 5]] and successors._pending  # returned now, written on the next read
+    assert successors.row(7, 1) == ((3, 4), True) and not successors._pending
+    successors.observe([1], [7], logits[1:])
+    successors.record([1], np.array([[9, 8]]), previous_tokens=[7])  # after the observation: it wins
+    assert successors.row(7, 1) == ((9, 8), True) and successors.matrix[1].tolist() == [9, 8]
+    successors.observe([2], [None], logits[:1])
+    state = successors.state()
+    assert state["matrix"][2].tolist() == [3, 4] and (7, 1) in successors.pairs
+    for _ in range(SuccessorMatrix.PENDING_LIMIT):
+        successors.observe([3], [None], logits[:1])
+    assert not successors._pending
 
 
 def full_fill_scores(successors, root, template, rate, before=None):

@@ -21,7 +21,8 @@ So every row of a verification step is bitwise what plain one-row decoding compu
 dtype, with no row plan to measure: :func:`draftwise.backend.calibration.invariance.plan_rows` still checks it on the running
 machine. Each cache owns a captured graph (captured at its first step; caches are pooled, so a finished sequence's
 buffers and graph serve the next one). The same step runs eagerly, bitwise alike, where no graph can run: on CPUs
-(tests), and for layer-skipping drafts. Batches run one graph replay per sequence.
+(tests), and for layer-skipping drafts; or through ``torch.compile`` (``compiled=True``), graphed or not.
+Batches run one graph replay per sequence.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ class GraphedLeanTarget(LeanTarget):
             runs over this many, so a smaller span is cheaper, and a longer sequence is an error.
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
         compiled: run the step through ``torch.compile`` (default off). The step has one shape, so it compiles
-            once per target (at its first step: tens of seconds, less when PyTorch's compile cache on the machine
-            holds it), and its kernels fuse the dozens of small operations each layer launches (a graphed GPU step
+            once per model shape and dtype (at a target's first step: tens of seconds, less when PyTorch's compile
+            cache holds it; targets of one shape share the compiled code, their weights being its inputs), and its
+            kernels fuse the dozens of small operations each layer launches (a graphed GPU step
             is bound by their count, not by the weights it reads). Every step of every sequence runs the same
             compiled step, so its rows stay bitwise plain decoding's (with the compiled step's own rounding, not
             the eager step's). Tested on CPUs; not yet measured on a GPU, hence not the default there.
@@ -134,11 +136,15 @@ class GraphedLeanTarget(LeanTarget):
         #: Whether steps run through ``torch.compile`` (layer-skipping drafts' steps run eagerly either way).
         self.compiled = bool(compiled)
         if self.compiled:
-            options["packed"] = False  # (oneDNN's packed weights, on CPUs, have no compiled form)
+            if options.get("packed"):
+                raise ValueError("a compiled step takes unpacked weights (oneDNN's packed ones have no compiled form)")
+            options["packed"] = False
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
         super().__init__(model, self.step_rows, self.step_rows, kernel=False, linear_fixed=True, **options)
         # (one compiled function per target: every step has the same shape, so it is traced and compiled once)
-        self._step_function = (torch.compile(self._full_step, dynamic=False) if self.compiled
+        # (fullgraph: a graph break or a recompile past dynamo's limit is an error, never a silent eager step, whose
+        # rounding would differ)
+        self._step_function = (torch.compile(self._full_step, dynamic=False, fullgraph=True) if self.compiled
                                else self._full_step)
         self._set_span(self.context_length if span is None else int(span))
         self._chain_path = torch.arange(TREE_DEPTH, device=self.device).expand(self.step_rows, TREE_DEPTH).contiguous()

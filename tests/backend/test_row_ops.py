@@ -126,3 +126,22 @@ def test_bad_shapes_are_refused():
         native.rotate_queries_keys(torch.randn(2, 30), cos, sin, 2, 2, 1, 1.0)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         native.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot, first, count", [(0, 0, 1), (5, 2, 3), (62, 0, 7), (60, 1, 70)])
+def test_write_rows_matches_slice_copies(dtype, slot, first, count):
+    """Rows' keys and values land at their block and offset in every layer, across block boundaries, nothing else
+    touched."""
+    layers, kv_heads, block, dim, blocks = 3, 2, 64, 8, 3
+    generator = torch.Generator().manual_seed(slot + count)
+    caches = [torch.randn(layers, blocks, kv_heads, block, dim, generator=generator).to(dtype) for _ in range(2)]
+    rows = [torch.randn(layers, first + count + 2, kv_heads, dim, generator=generator).to(dtype) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    for position in range(slot, slot + count):
+        for cache, source in zip(expected, rows):
+            cache[:, position // block, :, position % block] = source[:, first + position - slot]
+    native.load_kernels().write_rows(*caches, *rows, slot, first, count)
+    assert all(torch.equal(cache, reference) for cache, reference in zip(caches, expected))
+    with pytest.raises(RuntimeError, match="past the cache"):
+        native.load_kernels().write_rows(*caches, *rows, blocks * block - count + 1, first, count)

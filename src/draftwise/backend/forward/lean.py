@@ -583,7 +583,11 @@ class LeanTarget(Target):
 
     def _write_rows(self, cache: LeanCache, keys: torch.Tensor, values: torch.Tensor, first: int, size: int) -> None:
         """Every layer's keys and values of one sequence's rows (``first .. first + size`` of ``(layers, rows,
-        kv_heads, head_dim)``) into its cache after its length: one copy per block they fall in."""
+        kv_heads, head_dim)``) into its cache after its length: one copy per block they fall in (one kernel call for
+        all of them, with the compiled kernels)."""
+        if self.kernel is not None:
+            self.kernel.write_rows(cache.keys, cache.values, keys, values, cache.length, first, size)
+            return
         slot, row = cache.length, first
         while row < first + size:
             offset = slot % self.block

@@ -18,6 +18,10 @@ at::Tensor ragged_attention(
     const at::Tensor& path_rows);
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t min_rows);
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t rows, int64_t min_rows);
+// Every layer's keys and values of rows ``first .. first + count - 1`` of ``keys`` and ``values`` (layers, rows,
+// kv_heads, head_dim) into block caches (layers, blocks, kv_heads, block, head_dim) at positions ``slot`` on.
+void write_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& keys,
+                const at::Tensor& values, int64_t slot, int64_t first, int64_t count);
 std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
     const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows, int64_t heads,
     int64_t kv_heads, double scale);

@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("top_tokens", &top_tokens, "The k largest values' indices of every row, best first");
     module.def("sampling_probabilities", &sampling_probabilities,
                "Each row's distribution after temperature, top-k, top-p and min-p");
+    module.def("write_rows", &write_rows, "Rows' keys and values of every layer into block caches");
     module.def("rotate_queries_keys", &rotate_queries_keys, "Rotary embedding of the rows' queries (scaled) and keys");
     // (module_local: builds of other sources or flags may be loaded in one process beside this one.)
     pybind11::class_<DecoderLayers>(module, "DecoderLayers", pybind11::module_local())

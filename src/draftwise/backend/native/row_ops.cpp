@@ -1,4 +1,6 @@
-// The lean forward's row-wise operations (RMSNorm, rotary embedding, SiLU gating), one call each for all rows.
+// The lean forward's row-wise operations (RMSNorm, rotary embedding, SiLU gating), one call each for all rows, and
+// the copy of a forward's keys and values into a sequence's block cache (one call where two strided torch copies per
+// block cost ~0.1 ms, mostly fixed, of a small model's one-row step).
 //
 // As in the attention kernel, a row's result depends on that row alone: every element goes through the same
 // instructions (sums of squares in sixteen lanes over the dimensions, in order, then a fixed pairwise lane sum), so
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 #include "vectors.h"
@@ -188,4 +191,35 @@ std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
         });
     });
     return {queries, keys};
+}
+
+void write_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& keys,
+                const at::Tensor& values, int64_t slot, int64_t first, int64_t count) {
+    TORCH_CHECK(key_cache.dim() == 5 && value_cache.sizes() == key_cache.sizes(),
+                "caches: (layers, blocks, kv_heads, block, head_dim) each");
+    TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(), "rows: (layers, rows, kv_heads, head_dim) each");
+    const int64_t layers = key_cache.size(0), blocks = key_cache.size(1), kv_heads = key_cache.size(2);
+    const int64_t block = key_cache.size(3), dim = key_cache.size(4), rows = keys.size(1);
+    TORCH_CHECK(keys.size(0) == layers && keys.size(2) == kv_heads && keys.size(3) == dim, "rows and caches disagree");
+    TORCH_CHECK(first >= 0 && count >= 0 && first + count <= rows, "rows first .. first + count - 1 out of range");
+    TORCH_CHECK(slot >= 0 && slot + count <= blocks * block, "positions past the cache");
+    for (const at::Tensor* tensor : {&key_cache, &value_cache, &keys, &values}) {
+        TORCH_CHECK(tensor->device().is_cpu() && tensor->is_contiguous(), "contiguous CPU tensors");
+        TORCH_CHECK(tensor->scalar_type() == key_cache.scalar_type(), "one dtype for rows and caches");
+    }
+    const int64_t bytes = dim * static_cast<int64_t>(key_cache.element_size());
+    const std::pair<const at::Tensor*, const at::Tensor*> pairs[] = {{&key_cache, &keys}, {&value_cache, &values}};
+    for (const auto& [cache, source] : pairs) {
+        char* out = static_cast<char*>(cache->data_ptr());
+        const char* in = static_cast<const char*>(source->data_ptr());
+        for (int64_t layer = 0; layer < layers; ++layer)
+            for (int64_t row = 0; row < count; ++row) {
+                const int64_t position = slot + row;
+                const int64_t target_block = position / block, offset = position % block;
+                for (int64_t head = 0; head < kv_heads; ++head)
+                    std::memcpy(out + (((layer * blocks + target_block) * kv_heads + head) * block + offset) * bytes,
+                                in + ((layer * rows + first + row) * kv_heads + head) * bytes,
+                                static_cast<size_t>(bytes));
+            }
+    }
 }

@@ -364,11 +364,11 @@ class AdedDrafter(Drafter):
         pairs = zip(previous, row_tokens)
         for (a, b), prediction in zip(pairs, predictions):
             if a is not None:
-                self.store.add(a, b, prediction, self.learning_rate, self.cap)
+                self.store.queue(a, b, prediction, self.learning_rate, self.cap)
         # The emitted tokens once more: the output itself weighs more than predictions off the path (and when
         # sampling, the emitted token need not be the top prediction).
         if before is not None:
-            self.store.add_sequence([before, root, *outcome.verification.tokens], self.learning_rate, self.cap)
+            self.store.queue_sequence([before, root, *outcome.verification.tokens], self.learning_rate, self.cap)
         self.acceptance.learn_step(tree, outcome.verification, self._kind_of_path)
         self._note_verified_sources(tree)
 

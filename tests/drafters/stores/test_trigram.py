@@ -106,18 +106,22 @@ def test_online_rows_and_merges_match_a_dictionary(additions, top_k, merge_every
     """Rows survive any interleaving of online updates and merges (amounts are exact in float32, so the
     displacement decisions of the two models agree)."""
     store = TrigramStore(top_k=top_k, merge_every=merge_every)
+    queued = TrigramStore(top_k=top_k, merge_every=merge_every)  # (updates applied at its next read)
     model = DictTrigramModel(top_k)
     for step, (a, b, c, amount) in enumerate(additions):
         store.add(a, b, c, amount, cap)
+        queued.queue(a, b, c, amount, cap)
         model.add(a, b, c, amount, cap)
         if step % 7 == 0:
             assert_same_rows(store, model, 6)
-    assert len(store) == len(model.rows)
-    assert_same_rows(store, model, 6)
-    store.merge()
-    assert len(store) == len(store.keys) == len(model.rows)
-    assert store.keys.tolist() == sorted(store.keys.tolist())
-    assert_same_rows(store, model, 6)
+            assert_same_rows(queued, model, 6)
+    for checked in (store, queued):
+        assert len(checked) == len(model.rows)
+        assert_same_rows(checked, model, 6)
+        checked.merge()
+        assert len(checked) == len(checked.keys) == len(model.rows)
+        assert checked.keys.tolist() == sorted(checked.keys.tolist())
+        assert_same_rows(checked, model, 6)
 
 
 def test_merge_evicts_the_weakest_rows():

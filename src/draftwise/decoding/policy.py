@@ -323,9 +323,9 @@ class DraftingPolicy:
         unscored tree is verified whole), keeping each tree's best path where the target verifies a batch's chains
         only (``batch_chains``). Under sampling every draft, alone or in a batch, scored or not, is priced by its
         sequence's measured acceptance (:func:`priced_by_acceptance`). Then the cost rule (:func:`size_trees`)
-        keeps what pays. Were nothing kept of what was offered, after :attr:`BatchState.explore_wait` steps without a
-        verified node (:attr:`EXPLORE_EVERY` at first) the best node is explored (:func:`explore`); otherwise, if anything was offered,
-        :meth:`judge_drafting` weighs the drafts against their drafting time.
+        keeps what pays. Were nothing kept of what was offered, after :meth:`explore_wait` steps without a verified
+        node the best node is explored (:func:`explore`); otherwise, if anything was offered, :meth:`judge_drafting`
+        weighs the drafts against their drafting time.
         """
         batch_size = len(trees)
         offered = sum(len(tree) for tree in trees)
@@ -341,8 +341,7 @@ class DraftingPolicy:
             trees = [tree.best_path() for tree in trees]
         offers, sized = trees, size_trees(trees, self.latency)
         since_verified = state.steps_since_verified_draft + 1
-        exploring = (since_verified >= (state.explore_wait or self.EXPLORE_EVERY)
-                     and not any(len(tree) for tree in sized))
+        exploring = since_verified >= self.explore_wait(state) and not any(len(tree) for tree in sized)
         if exploring:
             sized = explore(offers)
         else:
@@ -396,9 +395,8 @@ class DraftingPolicy:
         """
         if exploring:
             state = self.state(batch_size)
-            state.explore_wait = (0 if tokens > batch_size
-                                  else min(2 * (state.explore_wait or self.EXPLORE_EVERY),
-                                           max(self.MAX_EXPLORE_EVERY, self.EXPLORE_EVERY)))
+            longest = max(self.MAX_EXPLORE_EVERY, self.EXPLORE_EVERY)
+            state.explore_wait = 0 if tokens > batch_size else min(2 * self.explore_wait(state), longest)
             return
         if (batch_size < 2 and not sampling) or seconds <= 0:
             return
@@ -425,6 +423,10 @@ class DraftingPolicy:
             state.paused_steps_left = max(state.paused_steps_left, state.throughput_pause_length)
         else:
             state.throughput_pause_length = 0
+
+    def explore_wait(self, state: BatchState) -> int:
+        """Steps without a verified node before the next exploration at ``state``'s batch size."""
+        return state.explore_wait or self.EXPLORE_EVERY
 
     def _longer_pause(self, length: int) -> int:
         """The next pause in drafting after one of ``length`` steps: 1, 2, 4, ... up to :attr:`MAX_DRAFT_PAUSE`."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..backend.calibration.machine import finish_queued_work
 from ..backend.forward.lean import LeanTarget
 from ..backend.rows import CACHE, RowBlock
 from ..backend.target import Target
@@ -229,12 +230,6 @@ class TreeGrowth:
             # Unexpanded leaves have no children, so their row is never read: zeros stand in.
             draft_probs = torch.stack([row if row is not None else torch.zeros_like(reference) for row in rows])
         return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.scores), draft_probs)
-
-
-def finish_queued_work(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (a GPU's), so that a timed draft forward counts its running time."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class LevelClock:

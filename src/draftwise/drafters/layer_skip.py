@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from bayes_opt import BayesianOptimization, acquisition
 
+from ..backend.calibration.machine import finish_queued_work
 from ..backend.forward.lean import LayerSkip, LeanTarget
 from ..backend.rows import RowBlock
 from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
@@ -44,7 +45,7 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.tree import ROOT, DraftTree
 from ..decoding.verify import greedy_choice
 from ..errors import UnsupportedModelError
-from .draft_model import LevelClock, TreeGrowth, draft_distribution, finish_queued_work, worth_another_level
+from .draft_model import LevelClock, TreeGrowth, draft_distribution, worth_another_level
 from .stores.acceptance import AcceptanceTracker
 
 #: A sub-layer: (layer index, "attention" or "mlp").

@@ -17,7 +17,7 @@ import torch
 
 from ..rows import RowBlock
 from .invariance import model_shape
-from .machine import MeasurementStore, machine_key
+from .machine import MeasurementStore, finish_queued_work, machine_key
 
 #: Row counts the curves are measured at (the latency model interpolates between them); trees from three rows (the
 #: root and two children).
@@ -85,8 +85,7 @@ def measure_cost_curves(
             for shape, block in blocks[count].items():
                 started = time.perf_counter()
                 target.forward([cache], [block])
-                if target.device.type == "cuda":  # (the forward only queues its work there)
-                    torch.cuda.synchronize(target.device)
+                finish_queued_work(target.device)
                 seconds[shape].setdefault(count, []).append(time.perf_counter() - started)
     medians = {shape: {count: statistics.median(times) for count, times in by_rows.items()}
                for shape, by_rows in seconds.items()}

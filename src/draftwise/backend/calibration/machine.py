@@ -60,6 +60,13 @@ def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     return torch.bfloat16 if native_bf16(device) else torch.float32
 
 
+def finish_queued_work(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU's; a CPU's is done when its call returns), so that a timed call
+    counts its running time, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def read_bandwidth(device: torch.device | str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
     """The memory read bandwidth of ``device`` in bytes per second, measured now: the median time to sum a buffer of
     ``megabytes`` (bigger than any cache) with the current threads. A one-row forward cannot take less than the
@@ -68,12 +75,10 @@ def read_bandwidth(device: torch.device | str = "cpu", megabytes: int = 256, rep
     buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     times = []
     for _ in range(repeats + 1):  # the first pass warms the pages up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        finish_queued_work(device)
         start = time.perf_counter()
         buffer.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        finish_queued_work(device)
         times.append(time.perf_counter() - start)
     return buffer.numel() * buffer.element_size() / statistics.median(times[1:])
 

@@ -141,7 +141,6 @@ class GraphedLeanTarget(LeanTarget):
             options["packed"] = False
         # Every product runs at a fixed row count: there is no padding to measure (see ``plan_rows``).
         super().__init__(model, self.step_rows, self.step_rows, kernel=False, linear_fixed=True, **options)
-        # (one compiled function per target: every step has the same shape, so it is traced and compiled once)
         # (fullgraph: a graph break or a recompile past dynamo's limit is an error, never a silent eager step, whose
         # rounding would differ)
         self._step_function = (torch.compile(self._full_step, dynamic=False, fullgraph=True) if self.compiled

@@ -52,7 +52,7 @@ def test_rms_norm_matches_torch(dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [16, 1536, 40])
+@pytest.mark.parametrize("width", [16, 1536, 40, 13])
 def test_silu_mul_matches_torch(dtype, width):
     generator = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(6, 2 * width, generator=generator) * 6).to(dtype)

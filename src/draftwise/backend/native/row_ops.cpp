@@ -59,20 +59,22 @@ void rms_norm_row(const scalar_t* row, const scalar_t* weight, int64_t dim, floa
     }
 }
 
-// x * sigmoid(x) for sixteen lanes, through exp of a non-positive argument on both sides of zero.
-inline floats16 silu(floats16 x) {
-    const floats16 magnitude = x < 0 ? -x : x;
-    const floats16 e = exp_nonpositive(-magnitude);
-    const floats16 sigmoid = x < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+// x * sigmoid(x) lane by lane, through exp of a non-positive argument on both sides of zero; in the machine's own
+// vector width, since GCC lowers the comparisons and selections of wider vectors to one lane at a time (sixteen
+// lanes on an AVX2 CPU took ~8 us for a SmolLM2 row of 1536, 0.25 ms of a 30-layer step). Each lane's operations are
+// the same whatever the width.
+inline native_floats silu(native_floats x) {
+    const native_floats magnitude = x < 0 ? -x : x;
+    const native_floats e = exp_nonpositive_lanes<native_floats, native_ints>(-magnitude);
+    const native_floats sigmoid = x < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
     return x * sigmoid;
 }
 
 template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t width, scalar_t* out) {
-    const int64_t chunks = (width + kLanes - 1) / kLanes;
-    for (int64_t c = 0; c < chunks; ++c) {
-        store_lanes(out + c * kLanes, silu(load_chunk(gate, c, width)) * load_chunk(up, c, width),
-                    std::min<int64_t>(kLanes, width - c * kLanes));
+    for (int64_t i = 0; i < width; i += kNativeLanes) {
+        const int64_t count = std::min<int64_t>(kNativeLanes, width - i);
+        store_native(out + i, silu(load_native_partial(gate + i, count)) * load_native_partial(up + i, count), count);
     }
 }
 

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -21,6 +22,19 @@ typedef int32_t ints16 __attribute__((vector_size(64)));
 typedef uint32_t words16 __attribute__((vector_size(64)));
 typedef uint16_t halfwords16 __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
+
+// The machine's own vector register of floats (16 lanes with AVX-512, 8 with AVX, 4 elsewhere). GCC lowers
+// comparisons and selections of vectors wider than the machine's to one lane at a time, several times slower than
+// the arithmetic: loops that compare lanes use this width.
+#if defined(__AVX512F__)
+constexpr int kNativeLanes = 16;
+#elif defined(__AVX__)
+constexpr int kNativeLanes = 8;
+#else
+constexpr int kNativeLanes = 4;
+#endif
+typedef float native_floats __attribute__((vector_size(4 * kNativeLanes)));
+typedef int32_t native_ints __attribute__((vector_size(4 * kNativeLanes)));
 
 // Calls ``function`` with a value of the C++ type of ``tensor``'s dtype (float32, bfloat16 or float16).
 template <typename Function>
@@ -59,11 +73,18 @@ inline void store_lanes(scalar_t* target, floats16 lanes, int64_t count) {
 }
 
 inline void store_lanes(c10::BFloat16* target, floats16 lanes, int64_t count) {
-    const words16 bits = reinterpret_cast<words16>(lanes);
-    const words16 nearest = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
-    const words16 narrowed = lanes != lanes ? words16{} + 0x7FC0u : nearest;
-    const halfwords16 halves = __builtin_convertvector(narrowed, halfwords16);
-    std::memcpy(target, &halves, count * sizeof(uint16_t));
+    // (the machine's own width at a time: GCC lowers the NaN selection of a wider vector to one lane at a time)
+    typedef uint32_t native_words __attribute__((vector_size(4 * kNativeLanes)));
+    typedef uint16_t native_halfwords __attribute__((vector_size(2 * kNativeLanes)));
+    for (int64_t first = 0; first < count; first += kNativeLanes) {
+        native_floats part;
+        std::memcpy(&part, reinterpret_cast<const float*>(&lanes) + first, sizeof(part));
+        const native_words bits = reinterpret_cast<native_words>(part);
+        const native_words nearest = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+        const native_words narrowed = part != part ? native_words{} + 0x7FC0u : nearest;
+        const native_halfwords halves = __builtin_convertvector(narrowed, native_halfwords);
+        std::memcpy(target + first, &halves, std::min<int64_t>(kNativeLanes, count - first) * sizeof(uint16_t));
+    }
 }
 
 // Sixteen elements from ``source`` where ``count`` (< 16) are there, zeros after them.
@@ -158,18 +179,6 @@ inline floats exp_nonpositive_lanes(floats x) {
 
 inline floats16 exp_nonpositive(floats16 x) { return exp_nonpositive_lanes<floats16, ints16>(x); }
 
-// The machine's own vector register of floats (16 lanes with AVX-512, 8 with AVX, 4 elsewhere). GCC lowers
-// comparisons and selections of vectors wider than the machine's to one lane at a time, several times slower than
-// the arithmetic: loops that compare lanes use this width.
-#if defined(__AVX512F__)
-constexpr int kNativeLanes = 16;
-#elif defined(__AVX__)
-constexpr int kNativeLanes = 8;
-#else
-constexpr int kNativeLanes = 4;
-#endif
-typedef float native_floats __attribute__((vector_size(4 * kNativeLanes)));
-typedef int32_t native_ints __attribute__((vector_size(4 * kNativeLanes)));
 
 inline native_floats load_native(const float* source) {
     native_floats out;
@@ -189,6 +198,26 @@ inline native_floats load_native(const c10::Half* source) {
     native_floats out;
     for (int lane = 0; lane < kNativeLanes; ++lane) out[lane] = static_cast<float>(source[lane]);
     return out;
+}
+
+// The first ``count`` (at most kNativeLanes) elements at ``source``, zeros after them.
+template <typename scalar_t>
+inline native_floats load_native_partial(const scalar_t* source, int64_t count) {
+    if (count == kNativeLanes) return load_native(source);
+    native_floats out = {};
+    for (int64_t lane = 0; lane < count; ++lane) out[lane] = static_cast<float>(source[lane]);
+    return out;
+}
+
+// The first ``count`` lanes stored in ``target``'s dtype: each lane's own conversion (c10's, rounding to nearest
+// even), as store_lanes gives.
+template <typename scalar_t>
+inline void store_native(scalar_t* target, native_floats lanes, int64_t count) {
+    for (int64_t lane = 0; lane < count; ++lane) target[lane] = static_cast<scalar_t>(lanes[lane]);
+}
+
+inline void store_native(float* target, native_floats lanes, int64_t count) {
+    std::memcpy(target, &lanes, count * sizeof(float));
 }
 
 // Bit ``lane`` set where lane ``lane`` of the comparison result ``lanes`` is set.

@@ -179,7 +179,6 @@ inline floats exp_nonpositive_lanes(floats x) {
 
 inline floats16 exp_nonpositive(floats16 x) { return exp_nonpositive_lanes<floats16, ints16>(x); }
 
-
 inline native_floats load_native(const float* source) {
     native_floats out;
     std::memcpy(&out, source, sizeof(out));

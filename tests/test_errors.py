@@ -396,6 +396,15 @@ def test_cli_generate_bad_sampling_refused(tiny_cli, capsys):
     assert "temperature" in capsys.readouterr().err
 
 
+def test_cli_torch_compile_needs_a_gpu(capsys, tmp_path):
+    """``--enable-torch-compile`` compiles the GPU's step: on a CPU it is refused before anything loads."""
+    argv = ["generate", "hello", "--device", "cpu", "--enable-torch-compile", "--cache-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("draftwise: error:") and "CUDA" in error
+    assert not any(tmp_path.iterdir())
+
+
 def test_cli_generate_runs_with_stats(tiny_cli, tiny_llama, capsys):
     assert cli.main(["generate", "abcabcabc", "--method", "pld", "--max-new-tokens", "12", "--stats"]) == 0
     captured = capsys.readouterr()

@@ -42,6 +42,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most positions a sequence may reach, prompt and output together (default: the model's "
                         "context length); on a GPU each step's attention covers this many")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="on a GPU, run the lean forward's step through torch.compile: fewer, fused kernels a step "
+                        "after a minute or more of compiling at the first step")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--cache-dir", default=None, help=f"converted checkpoints (default {default_cache_dir()})")
 
@@ -84,6 +87,7 @@ def _load(args: argparse.Namespace):
     target, tokenizer = load_model(
         args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend,
         weights=args.weights, activation_bits=args.activation_bits, max_model_len=args.max_model_len,
+        torch_compile=args.enable_torch_compile,
     )
     quantization = getattr(target, "quantization", None)
     weights = f", {quantization} weights" if quantization else ", float weights"
@@ -166,6 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         weights=args.weights,
         activation_bits=args.activation_bits,
         max_model_len=args.max_model_len,
+        torch_compile=args.enable_torch_compile,
         device=args.device,
         threads=args.threads,
         cache_dir=args.cache_dir,
@@ -502,7 +507,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     load_options = {"dtype": args.dtype, "device": args.device, "backend": args.backend, "cache_dir": args.cache_dir,
                     "weights": args.weights, "activation_bits": args.activation_bits,
-                    "max_model_len": args.max_model_len}
+                    "max_model_len": args.max_model_len, "torch_compile": args.enable_torch_compile}
     app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,

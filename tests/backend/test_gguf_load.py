@@ -237,3 +237,46 @@ def test_max_model_len_caps_what_a_sequence_may_reach(tmp_path):
     for wrong in (0, -5, 2.5, True, 10**7):
         with pytest.raises(ModelLoadError, match="max_model_len"):
             draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path, max_model_len=wrong)
+
+
+def test_torch_compile_runs_the_gpu_step_compiled_and_is_refused_elsewhere(tmp_path, device):
+    """``torch_compile`` (``--enable-torch-compile``): on a CUDA device every load path (the file's blocks, float
+    weights) gives a compiled graphed step whose drafts keep plain decoding's ids; the compiled step traces a file's
+    dequantised products too (checked on the CPU's eager steps); where there is no GPU step to compile (CPUs, the
+    transformers backend) or the value is not a bool, a clear error at load."""
+    from draftwise.backend.calibration.invariance import check_trees
+    from draftwise.backend.forward.graphed import GraphedLeanTarget
+    from draftwise.backend.weights.quantized import DequantizedRows, decode
+
+    path = write_random_gguf(tmp_path / "model.gguf", TINY_LLAMA, "Q8_0")
+    if device == "cpu":
+        for options in ({}, {"weights": "float"}):
+            with pytest.raises(ModelLoadError, match="torch_compile .*CUDA"):
+                draftwise.load_model(str(path), calibrate=False, cache_dir=tmp_path, torch_compile=True, **options)
+        with pytest.raises(ModelLoadError, match="torch_compile .*CUDA"):
+            make_target(float_model(path), calibrate=False, torch_compile=True)
+        with pytest.raises(ModelLoadError, match="true or false"):
+            draftwise.load_model(str(path), calibrate=False, cache_dir=tmp_path, torch_compile="yes")
+        weights = gguf_file.GGUFWeights(path)
+        model = gguf_file.file_model(weights, gguf_file.file_config(path))
+        embedding = gguf_file.file_embedding(model, weights)
+        # (the embedding as a GPU holds it: rows dequantised on the device, looked up inside the step)
+        embedding = DequantizedRows(decode(embedding.blocks, embedding.type_name), "cpu")
+        target = GraphedLeanTarget(model, span=96, step_rows=8, compiled=True,
+                                   quantized=gguf_file.file_matrices(model, weights), embedding=embedding)
+        report = check_trees(target, trials=4, steps=12, prompt_length=13, seed=2)
+        assert report.exact, report.mismatches[:3]
+        targets = [(target, None)]
+    else:
+        targets = [draftwise.load_model(str(path), device=device, weights=weights, calibrate=False,
+                                        cache_dir=tmp_path, torch_compile=True) for weights in ("file", "float")]
+        with pytest.raises(ModelLoadError, match="transformers"):
+            draftwise.load_model(str(path), device=device, backend="transformers", calibrate=False,
+                                 cache_dir=tmp_path, torch_compile=True)
+    for target, tokenizer in targets:
+        assert target.compiled
+        plain = draftwise.generate(target, tokenizer, prompt_ids=PROMPT * 3, method="ar", max_new_tokens=12,
+                                   ignore_eos=True)
+        drafted = draftwise.generate(target, tokenizer, prompt_ids=PROMPT * 3, method="pld", max_new_tokens=12,
+                                     ignore_eos=True)
+        assert drafted.token_ids == plain.token_ids

@@ -232,17 +232,19 @@ def test_a_limited_context_shrinks_every_step_and_keeps_rows_bitwise(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_step_keeps_rows_bitwise_and_close_to_transformers(dtype):
+def test_the_compiled_step_keeps_rows_bitwise_and_close_to_transformers(dtype, device):
     """``torch.compile`` fuses the step's operations: its rounding is its own, but every step runs the
-    one compiled function, so trees' rows are still bitwise plain decoding's, and logits stay transformers'."""
-    target = GraphedLeanTarget(make_tiny_model("qwen2", seed=6).to(dtype), step_rows=8, compiled=True)
+    one compiled function (on a GPU inside the slot's CUDA graph), so trees' rows are still bitwise plain decoding's,
+    and logits stay transformers'."""
+    target = GraphedLeanTarget(make_tiny_model("qwen2", seed=6).to(device=device, dtype=dtype), step_rows=8,
+                               compiled=True)
     assert target.compiled
     report = check_trees(target, trials=12, steps=30, prompt_length=13, seed=6)
     assert report.exact, report.mismatches[:3]
     rng = random.Random(6)
     prompt = repetitive_prompt(rng, low=20, high=30)
     with torch.inference_mode():
-        reference = target.model(torch.tensor([prompt])).logits[0].float()
+        reference = target.model(torch.tensor([prompt], device=device)).logits[0].float()
         cache = target.new_cache(64)
         logits = target.prefill([cache], [prompt[:-4]]).logits[0][-1:].float()
         logits = torch.cat([logits, target.forward([cache], [RowBlock.chain(prompt[-4:])]).logits[0].float()])

@@ -196,27 +196,43 @@ def running_replicas() -> int:
 def test_a_killed_replica_fails_its_requests_and_comes_back(cluster, reference):
     prompts = [text_prompt(100 + seed) for seed in range(6)]
     killed: list[str] = []
-
-    async def kill_first(replica: str) -> None:
-        if not killed:
-            killed.append(replica)
-            await asyncio.to_thread(lambda: ray.kill(replica_actor(replica), no_restart=True))
-
-    # Which replica each stream landed on, known from its headers whether it finishes or not (Serve's router may
-    # send every stream of the burst to one replica: then none is left to check on the other).
+    # Which replica each stream landed on, known from its headers whether it finishes or not.
     placed: dict[int, str] = {}
 
-    async def scenario():
+    async def scenario() -> dict[int, object]:
         async with http_client(cluster) as client:
-            doomed = stream_completion(client, prompts[0], 180, on_first=kill_first)
-            others = [stream_completion(client, prompt, 180,
-                                        on_start=lambda replica, index=index: placed.update({index: replica}))
-                      for index, prompt in enumerate(prompts[1:], start=1)]
-            return await asyncio.gather(doomed, *others, return_exceptions=True)
+            tasks: dict[int, asyncio.Task] = {}
+
+            def start(index: int) -> None:
+                tasks[index] = asyncio.create_task(stream_completion(
+                    client, prompts[index], 180, on_first=kill_first if index == 0 else None,
+                    on_start=lambda replica: placed.update({index: replica})))
+
+            async def kill_first(replica: str) -> None:
+                if killed:
+                    return
+                killed.append(replica)
+                # Serve's router may send a whole burst to one replica: more streams are sent until one has landed on
+                # the other, so that both sides of the kill are checked.
+                deadline = time.monotonic() + 60
+                while not any(other != replica for other in placed.values()):
+                    assert time.monotonic() < deadline, f"no stream reached a second replica ({placed})"
+                    if all(index in placed or tasks[index].done() for index in tasks) and len(prompts) < 24:
+                        prompts.append(text_prompt(100 + len(prompts)))
+                        start(len(prompts) - 1)
+                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(lambda: ray.kill(replica_actor(replica), no_restart=True))
+
+            for index in range(len(prompts)):
+                start(index)
+            while not all(task.done() for task in tasks.values()):  # (kill_first may add streams meanwhile)
+                await asyncio.wait(list(tasks.values()))
+            return {index: (task.exception() or task.result()) for index, task in tasks.items()}
 
     results = asyncio.run(scenario())
     assert killed, "the stream never started"
     assert isinstance(results[0], BaseException), "the killed replica's stream cannot finish"
+    assert any(replica != killed[0] for replica in placed.values()), placed
     # Requests on the killed replica fail with an error; those on the other one finish with the right answer.
     for index, replica in placed.items():
         result = results[index]
@@ -273,5 +289,7 @@ def test_replica_limits_and_bad_options():
     with pytest.raises(Exception, match="unknown weights"):
         build_app("smollm2-135m", weights="q3_k")
     assert build_app("smollm2-135m", weights="q8_0") is not None
+    with pytest.raises(Exception, match="torch_compile .*CUDA"):
+        build_app("smollm2-135m", torch_compile=True)
     with pytest.raises(InvalidRequestError, match="gpus_per_replica"):
         build_app("smollm2-135m", device="cuda")

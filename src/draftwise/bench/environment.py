@@ -189,6 +189,8 @@ def environment(
         "backend": getattr(model, "backend", "transformers"),
         # (most positions a sequence may reach: the model's, or max_model_len where given)
         "context_length": getattr(model, "context_length", None),
+        # (whether the GPU's step runs through torch.compile)
+        "torch_compile": bool(getattr(model, "compiled", False)),
         "row_plan": _row_plan(model),
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),

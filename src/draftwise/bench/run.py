@@ -496,9 +496,9 @@ class BenchSettings:
     Attributes:
         methods: method specs and transformers rows (``ar`` is added first when missing).
         model, draft_model: presets, GGUF files or checkpoint folders (``draft_model`` adds ``hf-assisted``).
-        dtype, backend, weights, activation_bits, max_model_len, device, threads, cache_dir: how the models are
-            loaded (see :func:`draftwise.load_model`); with ``weights="file"`` the llama.cpp rows run the very GGUF
-            file the target runs, else the file rewritten at the target's float width.
+        dtype, backend, weights, activation_bits, max_model_len, torch_compile, device, threads, cache_dir: how the
+            models are loaded (see :func:`draftwise.load_model`); with ``weights="file"`` the llama.cpp rows run the
+            very GGUF file the target runs, else the file rewritten at the target's float width.
         budgets: draft budgets to sweep (``None``: each method at the engine's default).
         dataset, data, categories, per_category, seed_prompts: which prompts (see
             :func:`~draftwise.bench.prompts.load_dataset`); max_prompts: at most this many of them, the categories
@@ -515,6 +515,7 @@ class BenchSettings:
     weights: str | None = None
     activation_bits: int = 16
     max_model_len: int | None = None
+    torch_compile: bool = False
     device: str = "cpu"
     threads: int | None = None
     cache_dir: str | None = None
@@ -592,7 +593,7 @@ class Benchmark:
             model, tokenizer = load_model(
                 settings.model, dtype=settings.dtype, device=settings.device, cache_dir=settings.cache_dir,
                 backend=settings.backend, weights=settings.weights, activation_bits=settings.activation_bits,
-                max_model_len=settings.max_model_len,
+                max_model_len=settings.max_model_len, torch_compile=settings.torch_compile,
             )
         draft_model = None
         if settings.draft_model:

@@ -252,10 +252,10 @@ class SessionAffinityRouter(LocalityMixin, RequestRouter):
 def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any]) -> None:
     """Refuse, before any replica starts, a model or load option every replica would fail on."""
     from ..backend.calibration.machine import resolve_dtype
-    from ..models import BACKENDS, PRESETS, WEIGHTS, check_load_activation_bits, check_max_model_len
+    from ..models import BACKENDS, PRESETS, WEIGHTS, check_load_activation_bits, check_max_model_len, check_torch_compile
 
     unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate", "weights",
-                                   "activation_bits", "max_model_len"}
+                                   "activation_bits", "max_model_len", "torch_compile"}
     if unknown:
         raise InvalidRequestError(f"unknown load options: {', '.join(sorted(unknown))}")
     if load_options.get("backend", "auto") not in BACKENDS:
@@ -264,6 +264,8 @@ def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any])
         raise ModelLoadError(f"unknown weights {load_options['weights']!r}; weights: {', '.join(WEIGHTS)}")
     check_load_activation_bits(load_options.get("activation_bits", 16))
     check_max_model_len(load_options.get("max_model_len"))
+    check_torch_compile(load_options.get("torch_compile", False), load_options.get("device", "cpu"),
+                        load_options.get("backend", "auto"))
     try:
         resolve_dtype(load_options.get("dtype", "auto"), load_options.get("device", "cpu"))
     except ValueError as error:

@@ -112,7 +112,8 @@ class GraphedLeanTarget(LeanTarget):
             kernels fuse the dozens of small operations each layer launches (a graphed GPU step
             is bound by their count, not by the weights it reads). Every step of every sequence runs the same
             compiled step, so its rows stay bitwise plain decoding's (with the compiled step's own rounding, not
-            the eager step's). Tested on CPUs; not yet measured on a GPU, hence not the default there.
+            the eager step's). On an H200 a SmolLM2-135M-shaped step 9.5 -> 6.8 ms, a Qwen2.5-1.5B-shaped one
+            25.1 -> 23.8 ms, after 80-100 s of compiling: off by default (``load_model(torch_compile=True)``).
         step_rows: rows of every step, at most :data:`TREE_DEPTH` (default :data:`STEP_ROWS` in 16-bit dtypes,
             :data:`FLOAT32_STEP_ROWS` in float32). A longer block runs as several steps; a sequence's bits depend on
             this number.

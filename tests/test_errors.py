@@ -397,12 +397,17 @@ def test_cli_generate_bad_sampling_refused(tiny_cli, capsys):
 
 
 def test_cli_torch_compile_needs_a_gpu(capsys, tmp_path):
-    """``--enable-torch-compile`` compiles the GPU's step: on a CPU it is refused before anything loads."""
+    """``--enable-torch-compile`` compiles the GPU's step: on a CPU it is refused before anything loads; ``doctor``
+    (which measures the eager forwards) refuses it anywhere; a device torch does not know is named."""
     argv = ["generate", "hello", "--device", "cpu", "--enable-torch-compile", "--cache-dir", str(tmp_path)]
     assert cli.main(argv) == 2
     error = capsys.readouterr().err
     assert error.startswith("draftwise: error:") and "CUDA" in error
     assert not any(tmp_path.iterdir())
+    assert cli.main(["doctor", "--enable-torch-compile", "--cache-dir", str(tmp_path)]) == 2
+    assert "--enable-torch-compile" in capsys.readouterr().err
+    with pytest.raises(ModelLoadError, match="unknown device 'gpu'"):
+        draftwise.load_model("smollm2-135m", device="gpu", torch_compile=True, cache_dir=tmp_path)
 
 
 def test_cli_generate_runs_with_stats(tiny_cli, tiny_llama, capsys):

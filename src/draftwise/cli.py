@@ -390,6 +390,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.weights:
         raise DraftwiseError("doctor measures the float dtypes (--dtype); it does not take --weights")
+    if args.enable_torch_compile:
+        raise DraftwiseError("doctor measures the eager forwards; it does not take --enable-torch-compile")
     if args.threads:
         torch.set_num_threads(args.threads)
     diagnosis = diagnose(args.model, args.dtype.split(","), args.device, args.cache_dir, args.backend, args.trials)

@@ -519,9 +519,9 @@ def make_target(
     """
     check_load_activation_bits(activation_bits)
     check_max_model_len(max_model_len)
-    check_torch_compile(torch_compile, model_device(model), backend)
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    check_torch_compile(torch_compile, model_device(model), backend)
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
     weights = None if weights == "float" else weights
@@ -533,7 +533,8 @@ def make_target(
     if weights == "file" and gguf_file is None:
         raise ModelLoadError("weights='file' runs a GGUF file's own blocks: give the file the model was loaded from")
     if torch_compile and reason is not None:
-        raise UnsupportedModelError(f"torch_compile runs the lean forward's step, which cannot run this model: {reason}")
+        raise UnsupportedModelError(f"torch_compile runs the lean forward's step, which cannot run this model: "
+                                    f"{reason}")
     if backend != "transformers" and reason is None:
         options: dict[str, Any] = {"activation_bits": activation_bits, **_compile_option(torch_compile)}
         if weights == "file":
@@ -574,7 +575,11 @@ def check_torch_compile(torch_compile: bool, device: torch.device | str, backend
         raise ModelLoadError(f"torch_compile must be true or false, not {torch_compile!r}")
     if not torch_compile:
         return
-    if torch.device(device).type != "cuda":
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as error:
+        raise ModelLoadError(f"unknown device {device!r}: {error}") from None
+    if kind != "cuda":
         raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: it needs a CUDA device (on CPUs the "
                              "lean forward runs kernels built for the machine)")
     if backend == "transformers":
@@ -663,7 +668,8 @@ def load_model(
             with a smaller one.
         torch_compile: on a CUDA device, run the lean forward's fixed-shape step through ``torch.compile`` (inside its
             CUDA graph), which fuses the step's many small kernels (SGLang's ``--enable-torch-compile``). Compiling
-            takes a minute or more at the first step (per model shape, dtype and span; PyTorch's compile cache
+            takes a minute or more at the first forward (per model shape, dtype, span and step width: during the
+            load's calibration where measurements are taken, else at the first request; PyTorch's compile cache
             shortens later loads), after which each step is cheaper where a model's step is bound by its kernel
             count: on an H200, a SmolLM2-135M-shaped model's step 9.5 -> 6.8 ms (96 s to compile), a
             Qwen2.5-1.5B-shaped one's 25.1 -> 23.8 ms. Rows stay bitwise plain decoding's (of the compiled step,
@@ -679,6 +685,8 @@ def load_model(
     """
     check_load_activation_bits(activation_bits)
     check_max_model_len(max_model_len)
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     check_torch_compile(torch_compile, device, backend)
     if weights is None:
         weights = default_weights(name_or_path, dtype, device, backend)

@@ -251,3 +251,13 @@ def test_the_compiled_step_keeps_rows_bitwise_and_close_to_transformers(dtype, d
     atol = TOLERANCE[dtype] * reference.abs().max().item()
     torch.testing.assert_close(logits, reference[len(prompt) - 5:], atol=atol, rtol=0)
     assert not GraphedLeanTarget(make_tiny_model("qwen2")).compiled
+
+
+def test_a_compiled_step_has_measurements_of_its_own():
+    """A compiled step rounds and costs apart from the eager one: its row plan and cost curves are kept apart."""
+    from draftwise.backend.calibration.invariance import model_shape
+
+    model = make_tiny_model("qwen2", seed=6)
+    eager, compiled = GraphedLeanTarget(model, packed=False), GraphedLeanTarget(model, compiled=True)
+    assert "compiled" not in model_shape(eager) and model_shape(compiled)["compiled"] is True
+    assert model_shape(compiled) != model_shape(eager)

@@ -622,6 +622,15 @@ def test_resume_after_an_interruption(tiny_llama, tmp_path):
     changed = bench.results_header({"methods": methods, "turns": [1]}, {"model": "tiny"})
     with pytest.raises(InvalidRequestError, match=r"config.turns: \[1, 2\] in the file, \[1\] now"):
         bench.ResultsWriter.open(path, changed, resume=True)
+    # (an entry added to the header later resumes a file without it while it holds its default)
+    for entry, value in (("torch_compile", True), ("max_model_len", 64)):
+        later = bench.results_header({"methods": methods, "turns": [1, 2], entry: value}, {"model": "tiny"})
+        with pytest.raises(InvalidRequestError, match=f"config.{entry}: None in the file"):
+            bench.ResultsWriter.open(path, later, resume=True)
+    defaults = bench.results_header({"methods": methods, "turns": [1, 2], "torch_compile": False,
+                                     "max_model_len": None}, {"model": "tiny", "torch_compile": False})
+    with bench.ResultsWriter.open(path, defaults, resume=True) as writer:
+        assert len(writer.records) == 7
 
     with bench.ResultsWriter.open(path, header, resume=True) as writer:
         assert len(writer.records) == 7

@@ -95,6 +95,8 @@ def _header_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) ->
         for key in sorted(set(old) | set(new)):
             if section == "environment" and key in MEASURED_ENVIRONMENT:
                 continue
+            if key not in old and new.get(key) in (None, False):  # (an entry added later, at its default)
+                continue
             if old.get(key) != new.get(key):
                 differences.append(f"{section}.{key}: {old.get(key)!r} in the file, {new.get(key)!r} now")
     return differences

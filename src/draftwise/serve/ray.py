@@ -252,7 +252,8 @@ class SessionAffinityRouter(LocalityMixin, RequestRouter):
 def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any]) -> None:
     """Refuse, before any replica starts, a model or load option every replica would fail on."""
     from ..backend.calibration.machine import resolve_dtype
-    from ..models import BACKENDS, PRESETS, WEIGHTS, check_load_activation_bits, check_max_model_len, check_torch_compile
+    from ..models import (BACKENDS, PRESETS, WEIGHTS, check_load_activation_bits, check_max_model_len,
+                          check_torch_compile)
 
     unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate", "weights",
                                    "activation_bits", "max_model_len", "torch_compile"}
@@ -318,7 +319,8 @@ def build_app(
             default power-of-two-choices routing.
         health_check_period_s: how often Serve calls each replica's health check.
         load_options: passed to :func:`draftwise.load_model` (``dtype``, ``device``, ``backend``, ``cache_dir``,
-            ``weights``).
+            ``weights``, ``activation_bits``, ``max_model_len``, ``torch_compile``), with a model name; a loader
+            function loads the model itself, and takes none.
     """
     if replicas < 1:
         raise InvalidRequestError("replicas must be at least 1")
@@ -332,6 +334,9 @@ def build_app(
         raise InvalidRequestError("a CUDA device needs gpus_per_replica > 0 (Ray gives a replica only the GPUs it "
                                   "reserves)")
     _check_model_options(model, load_options)
+    if load_options and not isinstance(model, str):
+        raise InvalidRequestError(f"load options ({', '.join(sorted(load_options))}) apply to a model name; a loader "
+                                  "function loads the model itself")
     if served_model_name is None:
         if not isinstance(model, str):
             raise InvalidRequestError("served_model_name is required when the model comes from a loader function")

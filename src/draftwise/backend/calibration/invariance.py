@@ -198,7 +198,7 @@ def _compare(report: InvarianceReport, logits: torch.Tensor, expected: list[tupl
 
 def model_shape(target: Any) -> dict[str, Any]:
     config = target.config
-    return {
+    shape = {
         "type": config.model_type,
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
@@ -215,6 +215,9 @@ def model_shape(target: Any) -> dict[str, Any]:
         # The compiled kernels' build (their sources, flags and the machine): new kernels are measured anew.
         "kernels": getattr(target, "kernels_build", None),
     }
+    if getattr(target, "compiled", False):  # (a compiled GPU step rounds and costs apart from the eager one)
+        shape["compiled"] = True
+    return shape
 
 
 @dataclass

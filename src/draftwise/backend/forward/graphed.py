@@ -107,8 +107,8 @@ class GraphedLeanTarget(LeanTarget):
             runs over this many, so a smaller span is cheaper, and a longer sequence is an error.
         graphs: replay steps as CUDA graphs (default: on CUDA devices).
         compiled: run the step through ``torch.compile`` (default off). The step has one shape, so it compiles
-            once per model shape and dtype (at a target's first step: tens of seconds, less when PyTorch's compile
-            cache holds it; targets of one shape share the compiled code, their weights being its inputs), and its
+            once per model shape, dtype, span and step width (at a target's first step: a minute or more on a GPU,
+            less when PyTorch's compile cache holds it; targets of one shape share the compiled code, their weights being its inputs), and its
             kernels fuse the dozens of small operations each layer launches (a graphed GPU step
             is bound by their count, not by the weights it reads). Every step of every sequence runs the same
             compiled step, so its rows stay bitwise plain decoding's (with the compiled step's own rounding, not

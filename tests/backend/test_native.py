@@ -85,14 +85,17 @@ TREE = (-1, 0, 0, 1, 1, 2, 5)
 LONG_CHAIN = tuple(range(-1, 20))
 WIDE_TREE = (-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 9, 10, 11, 12, 13, 14, 16, 17, 18, 18, 19, 20, 21, 22, 24, 25,
              26, 26, 28, 29, 30, 32, 33)
+#: A prompt's rows (a chain from an empty cache): this forward's keys scored sixteen at a time for every row, then
+#: one by one past the last whole sixteen, and long paths' values summed in registers.
+PREFILL = tuple(range(-1, 40))
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "group"), [(8, 2), (64, 3), (128, 1), (80, 4)])
 def test_kernel_matches_exact_attention(dtype, head_dim, group):
-    lengths = [0, 5, BLOCK, 2 * BLOCK + 3, 21]
-    parents = [(-1,), (-1, 0, 1), TREE, (-1,), WIDE_TREE]
+    lengths = [0, 5, BLOCK, 2 * BLOCK + 3, 21, 0]
+    parents = [(-1,), (-1, 0, 1), TREE, (-1,), WIDE_TREE, PREFILL]
     inputs = problem(dtype, head_dim, group, lengths, parents)
     output = run(*inputs, 1, lengths, parents)
     expected = exact_attention(*inputs, 1, lengths, parents)
@@ -107,8 +110,8 @@ def test_every_row_is_bitwise_its_result_alone(dtype, head_dim, group):
     """A row's output is the same bits whether it is alone, one of its sequence's tree or chain, or one row of a
     batch of sequences; and whatever the thread count. (Odd and even cache lengths: bfloat16 values are weighted
     two positions at a time, paired by parity.)"""
-    lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0, 2 * BLOCK, 37, 16]
-    parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0), (-1, 0, 0, 1), LONG_CHAIN, WIDE_TREE]
+    lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0, 2 * BLOCK, 37, 16, 0]
+    parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0), (-1, 0, 0, 1), LONG_CHAIN, WIDE_TREE, PREFILL]
     query, new_keys, new_values, keys, values = problem(dtype, head_dim, group, lengths, parents, seed=3)
     together = run(query, new_keys, new_values, keys, values, 0, lengths, parents)
     threads = torch.get_num_threads()

@@ -5,7 +5,8 @@
 // one row of a batch, so verification rows are bitwise plain decoding's by construction. Scores are computed key by
 // key (sixteen lanes of multiply-adds over the head dimensions, in dimension order, or for bfloat16 on CPUs with
 // avx512_bf16 pairs of dimensions multiplied and added by vdpbf16ps straight from the cache; then the lanes in a
-// fixed pairwise pattern, for sixteen committed keys at once with the same pattern), except for bfloat16 heads of
+// fixed pairwise pattern, for sixteen keys at once with the same pattern: committed keys, and this forward's where it
+// has sixteen or more, as a prefill has), except for bfloat16 heads of
 // 64 or 128 dimensions there: sixteen keys transposed into one register per dimension pair, each score four
 // partial sums in lanes (see transpose_words), no horizontal sums; the weighted values position
 // by position (for bfloat16 with avx512_bf16, position pair by position pair, weights rounded to bfloat16, by
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vectors.h"
@@ -34,6 +36,10 @@ namespace {
 
 using namespace draftwise;
 
+// The inner loops' helpers, inlined whatever the compiler's size budget: one called from two places grew past it
+// once (score_keys out of line made a one-row decode's attention 1.5x slower).
+#define DRAFTWISE_INLINE inline __attribute__((always_inline))
+
 struct Scratch {
     std::vector<floats16> queries;  // (rows, group, chunks)
     std::vector<floats16> sums;     // (rows, group, chunks)
@@ -41,10 +47,16 @@ struct Scratch {
     std::vector<float> totals;      // (rows, group)
     std::vector<uint32_t> weight_pairs;  // (rows, group, padded / 2): bfloat16 weights of position pairs
     std::vector<float> fresh_scores;     // (rows, group, padded fresh rows): scores against this forward's keys
+    std::vector<int64_t> path_spans;     // (rows, 2): the lowest and highest of this forward's rows on a row's path
+    std::vector<char> path_runs;         // (rows): whether a row's path is a run of consecutive positions
     std::vector<const c10::BFloat16*> query_heads;  // (rows, group): each query head's vector
 };
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
+// Chunks a tile of sixteen keys keeps per key: C where the head's is known when compiling (a tile of 64-dimension
+// keys then takes 4 KB of the stack, in one run, rather than 16 KB with a key every kilobyte).
+template <int C>
+constexpr int kKeyStride = C > 0 ? C : kMaxChunks;
 // Positions per block of the caches (draftwise.backend.forward.lean.BLOCK), known when compiling: a division by a variable
 // for every key and value, in the innermost loops, cost 6-11% of the kernel's time (and a variable shift more).
 constexpr int64_t kCacheBlock = 64;
@@ -94,14 +106,14 @@ inline void prefetch_value(const SequenceView<scalar_t>& view, int64_t position,
 }
 
 template <typename scalar_t>
-inline void load_vector(const scalar_t* source, int64_t chunks, int64_t dim, floats16* out) {
+DRAFTWISE_INLINE void load_vector(const scalar_t* source, int64_t chunks, int64_t dim, floats16* out) {
     for (int64_t c = 0; c < chunks; ++c) out[c] = load_chunk(source, c, dim);
 }
 
 // A query's products with a key, sixteen lanes of dimensions multiplied and added in dimension order: the lanes
 // whose fixed pairwise sum (horizontal_sum, or horizontal_sums for sixteen keys at once) is the score. The same
 // arithmetic for every (row, key).
-inline floats16 score_lanes(const floats16* query, const floats16* key, int64_t chunks) {
+DRAFTWISE_INLINE floats16 score_lanes(const floats16* query, const floats16* key, int64_t chunks) {
     floats16 total = {};
     for (int64_t c = 0; c < chunks; ++c) total = multiply_add(query[c], key[c], total);
     return total;
@@ -130,16 +142,16 @@ constexpr bool kPairedBf16 = false;
 
 // The scores of one row's ``G`` query heads against one key (this forward's rows on its path).
 template <int G>
-inline void score_key(const floats16* queries, const floats16* key, int64_t chunks, float* scores, int64_t padded,
-                      int64_t position) {
+DRAFTWISE_INLINE void score_key(const floats16* queries, const floats16* key, int64_t chunks, float* scores,
+                                int64_t padded, int64_t position) {
     for (int g = 0; g < G; ++g) scores[g * padded + position] = horizontal_sum(score_lanes(queries + g * chunks, key, chunks));
 }
 
 // The scores of ``rows`` rows' ``G`` query heads against ``count`` (at most sixteen) consecutive committed keys from
 // ``position``; ``keys`` holds sixteen (those past ``count`` are ignored).
-template <int G>
-inline void score_keys(const floats16* queries, const floats16 (*keys)[kMaxChunks], int64_t count, int64_t rows,
-                       int64_t chunks, float* scores, int64_t padded, int64_t position) {
+template <int G, int Stride>
+DRAFTWISE_INLINE void score_keys(const floats16* queries, const floats16 (*keys)[Stride], int64_t count,
+                                 int64_t rows, int64_t chunks, float* scores, int64_t padded, int64_t position) {
     floats16 lanes[kLanes];
     for (int64_t r = 0; r < rows; ++r)
         for (int g = 0; g < G; ++g) {
@@ -274,6 +286,132 @@ inline void add_committed_values(const SequenceView<scalar_t>& view, const float
     for (int t = 0; t < T; ++t)
         for (int g = 0; g < G; ++g)
             for (int c = 0; c < C; ++c) sums[((first + t) * G + g) * C + c] = totals[t][g][c];
+}
+
+// Each row's lowest and highest position among this forward's rows on its path (``spans``, two per row; a row
+// without any: an empty span), returned as the lowest and highest over all rows (highest -1: no row has any).
+inline std::pair<int64_t, int64_t> path_spans(int64_t rows, const int64_t* const* paths, const int64_t* path_lengths,
+                                              std::vector<int64_t>& spans) {
+    spans.resize(2 * rows);
+    int64_t lowest = std::numeric_limits<int64_t>::max(), highest = -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t low = std::numeric_limits<int64_t>::max(), high = -1;
+        for (int64_t j = 0; j < path_lengths[r]; ++j) {
+            low = std::min(low, paths[r][j]);
+            high = std::max(high, paths[r][j]);
+        }
+        spans[2 * r] = low;
+        spans[2 * r + 1] = high;
+        lowest = std::min(lowest, low);
+        highest = std::max(highest, high);
+    }
+    return {lowest, highest};
+}
+
+// Whether a row's span (see path_spans) meets the sixteen positions from ``start``.
+inline bool span_meets(const int64_t* span, int64_t start) { return span[1] >= start && span[0] < start + kLanes; }
+
+// The scores of every row's ``G`` query heads against this forward's keys on its path, into ``scores`` after the
+// committed positions, each with the bits score_key gives it. A forward with sixteen or more of them (a prefill's
+// rows share their keys) takes them sixteen at a time from the lowest position on any path, each tile loaded once
+// for all the rows and scored as committed keys are (horizontal_sums: each lane bitwise horizontal_sum of its key's
+// lanes) for the rows whose span meets it, the keys past the last whole tile one at a time, each path's scores in
+// place or picked out of a buffer (see below). Fewer (a decoding row, a draft's chain or tree) are scored one by one
+// along each path.
+template <typename scalar_t, int G, int C>
+__attribute__((noinline)) void score_fresh_keys(const SequenceView<scalar_t>& view, const floats16* query_vectors,
+                                                int64_t rows, const int64_t* const* paths, const int64_t* path_lengths,
+                                                int64_t chunks, int64_t dim, float* scores, int64_t padded,
+                                                Scratch& scratch) {
+    const int64_t committed = view.committed;
+    const auto [lowest, highest] = path_spans(rows, paths, path_lengths, scratch.path_spans);
+    if (highest < 0) return;
+    const int64_t tiled_end = lowest + (highest + 1 - lowest) / kLanes * kLanes;  // (past the whole tiles)
+    floats16 key[kMaxChunks];
+    if (tiled_end == lowest) {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < path_lengths[r]; ++j) {
+                load_vector(view.fresh_keys + paths[r][j] * view.fresh_key_stride, chunks, dim, key);
+                score_key<G>(query_vectors + r * G * chunks, key, chunks, scores + r * G * padded, padded,
+                             committed + j);
+            }
+        return;
+    }
+    // Whether every path is a run of positions from the lowest (a prefill's, a chain's): then a key's score goes
+    // straight to its place in each row's scores (a whole tile's past a row's own keys lands in the padding after
+    // them, which the softmax overwrites), else to a buffer each path's scores are picked from.
+    const int64_t* spans = scratch.path_spans.data();
+    std::vector<char>& runs = scratch.path_runs;
+    runs.assign(rows, 1);
+    bool direct = true;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t length = path_lengths[r];
+        for (int64_t j = 1; j < length && runs[r]; ++j) runs[r] = paths[r][j] == paths[r][0] + j;
+        direct = direct && (length == 0 || (runs[r] && paths[r][0] == lowest));
+    }
+    const int64_t fresh_padded = (highest - lowest + kLanes) / kLanes * kLanes;
+    if (!direct) scratch.fresh_scores.resize(rows * G * fresh_padded);
+    float* target = direct ? scores + committed : scratch.fresh_scores.data();
+    const int64_t stride = direct ? padded : fresh_padded;
+    floats16 keys[kLanes][kKeyStride<C>];
+    for (int64_t start = lowest; start < tiled_end; start += kLanes) {
+        for (int64_t k = 0; k < kLanes; ++k)
+            load_vector(view.fresh_keys + (start + k) * view.fresh_key_stride, chunks, dim, keys[k]);
+        for (int64_t r = 0; r < rows; ++r)
+            if (span_meets(spans + 2 * r, start))
+                score_keys<G>(query_vectors + r * G * chunks, keys, kLanes, 1, chunks, target + r * G * stride, stride,
+                              start - lowest);
+    }
+    for (int64_t p = tiled_end; p <= highest; ++p) {
+        load_vector(view.fresh_keys + p * view.fresh_key_stride, chunks, dim, key);
+        for (int64_t r = 0; r < rows; ++r)
+            if (spans[2 * r] <= p && p <= spans[2 * r + 1])
+                score_key<G>(query_vectors + r * G * chunks, key, chunks, target + r * G * stride, stride,
+                             p - lowest);
+    }
+    if (direct) return;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t length = path_lengths[r];
+        if (length == 0) continue;
+        for (int g = 0; g < G; ++g) {
+            const float* from = target + (r * G + g) * stride - lowest;
+            float* to = scores + (r * G + g) * padded + committed;
+            if (runs[r]) std::memcpy(to, from + paths[r][0], length * sizeof(float));
+            else for (int64_t j = 0; j < length; ++j) to[j] = from[paths[r][j]];
+        }
+    }
+}
+
+// Query heads whose sums, with a value, fit the 32 vector registers: the largest divisor of G that does (0: none).
+constexpr int heads_per_pass(int G, int C) {
+    for (int heads = G; heads >= 1; --heads)
+        if (G % heads == 0 && C > 0 && (heads + 1) * C <= 32) return heads;
+    return 0;
+}
+
+// Adds the values of this forward's rows on row ``r``'s path, weighted, to its sums: add_value's multiply-adds in
+// the same order (path order) for each query head, the sums of H heads at a time held in registers (each head's
+// sums are its own: taking heads in passes changes no sum's order). (Out of line, as score_fresh_keys: inlined, they
+// slowed the caller's one-row attention by 6-8 %.)
+template <typename scalar_t, int G, int C, int H>
+__attribute__((noinline)) void add_path_values(const SequenceView<scalar_t>& view, const float* weights, int64_t r,
+                                               const int64_t* path, int64_t length, int64_t dim, floats16* sums,
+                                               int64_t padded) {
+    for (int first = 0; first < G; first += H) {
+        floats16 totals[H][C];
+        for (int h = 0; h < H; ++h)
+            for (int c = 0; c < C; ++c) totals[h][c] = sums[(r * G + first + h) * C + c];
+        floats16 value[C];
+        for (int64_t j = 0; j < length; ++j) {
+            load_vector(view.fresh_values + path[j] * view.fresh_value_stride, C, dim, value);
+            for (int h = 0; h < H; ++h) {
+                const floats16 broadcast = floats16{} + weights[(r * G + first + h) * padded + view.committed + j];
+                for (int c = 0; c < C; ++c) totals[h][c] = multiply_add(broadcast, value[c], totals[h][c]);
+            }
+        }
+        for (int h = 0; h < H; ++h)
+            for (int c = 0; c < C; ++c) sums[(r * G + first + h) * C + c] = totals[h][c];
+    }
 }
 
 #if defined(__AVX512BF16__)
@@ -424,13 +562,8 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             score_queries<P>(heads, count, tile, scores + start, padded, keys);
         }
         // This forward's keys: those of the rows on any row's path, sixteen at a time, each row scored against
-        // the tiles its path reaches; then each path's scores picked out.
-        int64_t lowest = std::numeric_limits<int64_t>::max(), highest = -1;
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < path_lengths[r]; ++j) {
-                lowest = std::min(lowest, paths[r][j]);
-                highest = std::max(highest, paths[r][j]);
-            }
+        // the tiles its path's span meets (path_spans); then each path's scores picked out.
+        const auto [lowest, highest] = path_spans(rows, paths, path_lengths, scratch.path_spans);
         if (highest >= 0) {
             const int64_t fresh_padded = (highest - lowest + kLanes) / kLanes * kLanes;
             scratch.fresh_scores.resize(count * fresh_padded);
@@ -441,10 +574,7 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
                     key_rows[k] = view.fresh_keys + (start + std::min<int64_t>(k, keys - 1)) * view.fresh_key_stride;
                 transpose_keys<P>(key_rows, tile);
                 for (int64_t r = 0; r < rows; ++r) {
-                    bool reaches = false;
-                    for (int64_t j = 0; j < path_lengths[r] && !reaches; ++j)
-                        reaches = paths[r][j] >= start && paths[r][j] < start + kLanes;
-                    if (reaches)
+                    if (span_meets(scratch.path_spans.data() + 2 * r, start))
                         score_queries<P>(heads + r * G, G, tile, fresh + r * G * fresh_padded + (start - lowest),
                                          fresh_padded, keys);
                 }
@@ -489,20 +619,19 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             for (int g = 0; g < G; ++g)
                 load_vector(queries[r] + g * dim, chunks, dim, query_vectors + (r * G + g) * chunks);
         // Committed keys sixteen at a time (their lanes summed together), converted once for all rows.
-        floats16 keys[kLanes][kMaxChunks] = {};
+        // (a last tile of fewer keys repeats its last: each lane's score is its key's alone, and only ``count`` are
+        // kept)
+        floats16 keys[kLanes][kKeyStride<C>];
         for (int64_t start = 0; start < committed; start += kLanes) {
             const int64_t count = std::min<int64_t>(kLanes, committed - start);
             for (int64_t p = start + kPrefetchAhead; p < std::min(committed, start + kPrefetchAhead + kLanes); ++p)
                 prefetch(view.key(p, dim), dim);
-            for (int64_t k = 0; k < count; ++k) load_vector(view.key(start + k, dim), chunks, dim, keys[k]);
+            for (int64_t k = 0; k < kLanes; ++k)
+                load_vector(view.key(start + std::min<int64_t>(k, count - 1), dim), chunks, dim, keys[k]);
             score_keys<G>(query_vectors, keys, count, rows, chunks, scores, padded, start);
         }
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < path_lengths[r]; ++j) {
-                load_vector(view.fresh_keys + paths[r][j] * view.fresh_key_stride, chunks, dim, vector);
-                score_key<G>(query_vectors + r * G * chunks, vector, chunks, scores + r * G * padded, padded,
-                             committed + j);
-            }
+        score_fresh_keys<scalar_t, G, C>(view, query_vectors, rows, paths, path_lengths, chunks, dim, scores,
+                                         padded, scratch);
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t positions = committed + path_lengths[r];
@@ -559,9 +688,18 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < path_lengths[r]; ++j) {
-            load_vector(view.fresh_values + paths[r][j] * view.fresh_value_stride, chunks, dim, vector);
-            add_value<G>(scores + r * G * padded, vector, 1, chunks, sums + r * G * chunks, padded, committed + j);
+        // (sums in registers pay over a prefill's long paths; a decoding row's or a draft's few values went 8 %
+        // slower so)
+        if (heads_per_pass(G, C) > 0 && path_lengths[r] >= kLanes) {
+            if constexpr (heads_per_pass(G, C) > 0)
+                add_path_values<scalar_t, G, C, heads_per_pass(G, C)>(view, scores, r, paths[r], path_lengths[r], dim,
+                                                                       sums, padded);
+        } else {
+            for (int64_t j = 0; j < path_lengths[r]; ++j) {
+                load_vector(view.fresh_values + paths[r][j] * view.fresh_value_stride, chunks, dim, vector);
+                add_value<G>(scores + r * G * padded, vector, 1, chunks, sums + r * G * chunks, padded,
+                             committed + j);
+            }
         }
         for (int g = 0; g < G; ++g) {
             const floats16* sum = sums + (r * G + g) * chunks;

@@ -48,7 +48,6 @@ struct Scratch {
     std::vector<uint32_t> weight_pairs;  // (rows, group, padded / 2): bfloat16 weights of position pairs
     std::vector<float> fresh_scores;     // (rows, group, padded fresh rows): scores against this forward's keys
     std::vector<int64_t> path_spans;     // (rows, 2): the lowest and highest of this forward's rows on a row's path
-    std::vector<char> path_runs;         // (rows): whether a row's path is a run of consecutive positions
     std::vector<const c10::BFloat16*> query_heads;  // (rows, group): each query head's vector
 };
 
@@ -311,6 +310,31 @@ inline std::pair<int64_t, int64_t> path_spans(int64_t rows, const int64_t* const
 // Whether a row's span (see path_spans) meets the sixteen positions from ``start``.
 inline bool span_meets(const int64_t* span, int64_t start) { return span[1] >= start && span[0] < start + kLanes; }
 
+// Whether a path is a run of consecutive positions (a chain's, a prefill's).
+inline bool is_run(const int64_t* path, int64_t length) {
+    for (int64_t j = 1; j < length; ++j)
+        if (path[j] != path[0] + j) return false;
+    return true;
+}
+
+// Each row's scores against this forward's keys on its path, picked out of ``fresh`` (row r, head g at ``(r * G + g)
+// * fresh_padded``, position p at p - lowest) into ``scores`` after the committed positions; a run's as one copy.
+template <int G>
+void pick_path_scores(int64_t rows, const int64_t* const* paths, const int64_t* path_lengths, const float* fresh,
+                      int64_t fresh_padded, int64_t lowest, float* scores, int64_t padded, int64_t committed) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t length = path_lengths[r];
+        if (length == 0) continue;
+        const bool run = is_run(paths[r], length);
+        for (int g = 0; g < G; ++g) {
+            const float* from = fresh + (r * G + g) * fresh_padded - lowest;
+            float* to = scores + (r * G + g) * padded + committed;
+            if (run) std::memcpy(to, from + paths[r][0], length * sizeof(float));
+            else for (int64_t j = 0; j < length; ++j) to[j] = from[paths[r][j]];
+        }
+    }
+}
+
 // The scores of every row's ``G`` query heads against this forward's keys on its path, into ``scores`` after the
 // committed positions, each with the bits score_key gives it. A forward with sixteen or more of them (a prefill's
 // rows share their keys) takes them sixteen at a time from the lowest position on any path, each tile loaded once
@@ -341,14 +365,9 @@ __attribute__((noinline)) void score_fresh_keys(const SequenceView<scalar_t>& vi
     // straight to its place in each row's scores (a whole tile's past a row's own keys lands in the padding after
     // them, which the softmax overwrites), else to a buffer each path's scores are picked from.
     const int64_t* spans = scratch.path_spans.data();
-    std::vector<char>& runs = scratch.path_runs;
-    runs.assign(rows, 1);
     bool direct = true;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t length = path_lengths[r];
-        for (int64_t j = 1; j < length && runs[r]; ++j) runs[r] = paths[r][j] == paths[r][0] + j;
-        direct = direct && (length == 0 || (runs[r] && paths[r][0] == lowest));
-    }
+    for (int64_t r = 0; r < rows && direct; ++r)
+        direct = path_lengths[r] == 0 || (paths[r][0] == lowest && is_run(paths[r], path_lengths[r]));
     const int64_t fresh_padded = (highest - lowest + kLanes) / kLanes * kLanes;
     if (!direct) scratch.fresh_scores.resize(rows * G * fresh_padded);
     float* target = direct ? scores + committed : scratch.fresh_scores.data();
@@ -369,17 +388,7 @@ __attribute__((noinline)) void score_fresh_keys(const SequenceView<scalar_t>& vi
                 score_key<G>(query_vectors + r * G * chunks, key, chunks, target + r * G * stride, stride,
                              p - lowest);
     }
-    if (direct) return;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t length = path_lengths[r];
-        if (length == 0) continue;
-        for (int g = 0; g < G; ++g) {
-            const float* from = target + (r * G + g) * stride - lowest;
-            float* to = scores + (r * G + g) * padded + committed;
-            if (runs[r]) std::memcpy(to, from + paths[r][0], length * sizeof(float));
-            else for (int64_t j = 0; j < length; ++j) to[j] = from[paths[r][j]];
-        }
-    }
+    if (!direct) pick_path_scores<G>(rows, paths, path_lengths, target, stride, lowest, scores, padded, committed);
 }
 
 // Query heads whose sums, with a value, fit the 32 vector registers: the largest divisor of G that does (0: none).
@@ -579,11 +588,7 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
                                          fresh_padded, keys);
                 }
             }
-            for (int64_t r = 0; r < rows; ++r)
-                for (int g = 0; g < G; ++g)
-                    for (int64_t j = 0; j < path_lengths[r]; ++j)
-                        scores[(r * G + g) * padded + committed + j] =
-                            fresh[(r * G + g) * fresh_padded + paths[r][j] - lowest];
+            pick_path_scores<G>(rows, paths, path_lengths, fresh, fresh_padded, lowest, scores, padded, committed);
         }
     } else
 #endif
@@ -945,6 +950,8 @@ void attend_sequence(int64_t group, const SequenceView<scalar_t>& view, const sc
         default: break;
     }
 }
+
+#undef DRAFTWISE_INLINE
 
 }  // namespace
 

@@ -35,10 +35,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "linear products' weights on load (lean forward, float32); float: the dtype's float weights "
                         "(default: file for a preset or .gguf file on a CPU the kernels build on, unless --dtype is "
                         "given; float otherwise)")
-    parser.add_argument("--activation-bits", type=int, default=16, choices=list(ACTIVATION_BITS),
+    parser.add_argument("--activation-bits", type=int, default=None, choices=list(ACTIVATION_BITS),
                         help="with quantised weights on the CPU kernels: each row's activations quantised per 32 inputs "
-                        "to 16 bits (default: the float model's top token almost everywhere) or 8 (llama.cpp's "
-                        "precision: prompts and verification of several rows 1.3-1.5x faster on CPUs without VNNI)")
+                        "to 16 bits (the float model's top token almost everywhere) or 8 (llama.cpp's precision: "
+                        "faster, the float model's top token at 95-99 %% of positions); default: the model's, 8 for "
+                        "qwen2.5-coder-1.5b (98.7 %% there), 16 otherwise")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most positions a sequence may reach, prompt and output together (default: the model's "
                         "context length); on a GPU each step's attention covers this many")

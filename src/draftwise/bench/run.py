@@ -513,7 +513,7 @@ class BenchSettings:
     dtype: str = "auto"
     backend: str = "auto"
     weights: str | None = None
-    activation_bits: int = 16
+    activation_bits: int | None = None
     max_model_len: int | None = None
     torch_compile: bool = False
     device: str = "cpu"

@@ -39,7 +39,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with quantised weights on the CPU kernels: each row's activations quantised per 32 inputs "
                         "to 16 bits (the float model's top token almost everywhere) or 8 (llama.cpp's precision: "
                         "faster, the float model's top token at 95-99 %% of positions); default: the model's, 8 for "
-                        "qwen2.5-coder-1.5b (98.7 %% there), 16 otherwise")
+                        "the qwen2.5-coder-1.5b preset's file as shipped (98.7 %% there), 16 otherwise")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most positions a sequence may reach, prompt and output together (default: the model's "
                         "context length); on a GPU each step's attention covers this many")

@@ -468,11 +468,8 @@ BACKENDS = ("auto", "lean", "transformers")
 WEIGHTS = ("file", "q8_0", "q4_0", "float")
 
 
-def check_load_activation_bits(activation_bits: int | None) -> None:
-    """A :class:`ModelLoadError` naming the choices unless ``activation_bits`` is one of :data:`ACTIVATION_BITS` (or
-    ``None``: the model's default, :func:`default_activation_bits`)."""
-    if activation_bits is None:
-        return
+def check_load_activation_bits(activation_bits: int) -> None:
+    """A :class:`ModelLoadError` naming the choices unless ``activation_bits`` is one of :data:`ACTIVATION_BITS`."""
     try:
         check_activation_bits(activation_bits)
     except ValueError as error:
@@ -493,11 +490,12 @@ def default_weights(name_or_path: str, dtype: torch.dtype | str = "auto", device
     return "file"
 
 
-def default_activation_bits(name_or_path: str | os.PathLike) -> int:
+def default_activation_bits(name_or_path: str | os.PathLike, weights: str | None = "file") -> int:
     """The precision quantised products take activations in when :func:`load_model` is not told: a preset's
-    :attr:`Preset.activation_bits` (measured on its file), 16 for any other model."""
+    :attr:`Preset.activation_bits` where its file's own blocks run (``weights="file"``: what was measured), 16 for
+    any other model or weights."""
     preset = PRESETS.get(str(name_or_path))
-    return preset.activation_bits if preset is not None else 16
+    return preset.activation_bits if preset is not None and weights == "file" else 16
 
 
 def make_target(
@@ -678,7 +676,8 @@ def load_model(
             weights) or ``8`` (llama.cpp's precision, with its fidelity: on SmolLM2's file the float model's top token
             at 95-97 % of positions, as llama.cpp's own, on Qwen2.5-Coder-1.5B's 98.7 %; one-row steps, prompts and
             verification forwards of several rows faster, 1.3-1.5x for the latter two). ``None`` (the default): the
-            model's (:func:`default_activation_bits`: 8 for the Qwen2.5-Coder-1.5B preset, 16 otherwise). Either way
+            model's (:func:`default_activation_bits`: 8 for the Qwen2.5-Coder-1.5B preset's file as shipped, 16
+            otherwise). Either way
             every verification row is bitwise plain decoding's with the same setting. ``target.activation_bits``
             says which.
         max_model_len: most positions a sequence may reach, prompt and output together (vLLM's option of the same
@@ -702,17 +701,18 @@ def load_model(
         nor a float checkpoint. The same goes for ``"q8_0"``/``"q4_0"`` on the compiled CPU kernels: the products
         are quantised at the first load and read packed from the cache folder later.
     """
-    check_load_activation_bits(activation_bits)
+    if activation_bits is not None:
+        check_load_activation_bits(activation_bits)
     check_max_model_len(max_model_len)
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     check_torch_compile(torch_compile, device, backend)
-    if activation_bits is None:
-        activation_bits = default_activation_bits(name_or_path)
     if weights is None:
         weights = default_weights(name_or_path, dtype, device, backend)
     if weights is not None and weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}; weights: {', '.join(WEIGHTS)}")
+    if activation_bits is None:
+        activation_bits = default_activation_bits(name_or_path, weights)
     weights = None if weights == "float" else weights
     if weights is not None and dtype == "auto":
         dtype = torch.float32  # (quantised products take float32 activations)

@@ -263,7 +263,8 @@ def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any])
         raise ModelLoadError(f"unknown backend {load_options['backend']!r}; backends: {', '.join(BACKENDS)}")
     if load_options.get("weights") not in (None, *WEIGHTS):
         raise ModelLoadError(f"unknown weights {load_options['weights']!r}; weights: {', '.join(WEIGHTS)}")
-    check_load_activation_bits(load_options.get("activation_bits", 16))
+    if load_options.get("activation_bits") is not None:  # (None: the model's, see draftwise.load_model)
+        check_load_activation_bits(load_options["activation_bits"])
     check_max_model_len(load_options.get("max_model_len"))
     check_torch_compile(load_options.get("torch_compile", False), load_options.get("device", "cpu"),
                         load_options.get("backend", "auto"))

@@ -11,7 +11,8 @@ and :func:`pack` lays it out once in the kernel's tiles of 8 outputs (see ``nati
 nibbles where they fit in four bits, else one byte each, grouped four inputs to a 32-bit lane.
 
 The product is an integer dot product, as llama.cpp's: each row's activations are quantised per group of 32 inputs to
-16-bit fixed point (two int8 parts; or, asked for, to 8 bits as llama.cpp's, see :data:`ACTIVATION_BITS`), the sums
+16-bit fixed point (two int8 parts) or to 8 bits as llama.cpp's (see :data:`ACTIVATION_BITS`; some presets' files
+take 8 by default, :func:`draftwise.models.default_activation_bits`), the sums
 of quant x activation are exact integers, and the float32 steps after them run in one fixed order per row. A row's
 result therefore never depends on the other rows of the call (a verification row is bitwise plain decoding's), and
 stays within about 1e-4 (relative) of the float product of the dequantised matrix at 16 bits, about 5e-3 at 8

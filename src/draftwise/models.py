@@ -677,9 +677,8 @@ def load_model(
             at 95-97 % of positions, as llama.cpp's own, on Qwen2.5-Coder-1.5B's 98.7 %; one-row steps, prompts and
             verification forwards of several rows faster, 1.3-1.5x for the latter two). ``None`` (the default): the
             model's (:func:`default_activation_bits`: 8 for the Qwen2.5-Coder-1.5B preset's file as shipped, 16
-            otherwise). Either way
-            every verification row is bitwise plain decoding's with the same setting. ``target.activation_bits``
-            says which.
+            otherwise). Either way every verification row is bitwise plain decoding's with the same setting.
+            ``target.activation_bits`` says which.
         max_model_len: most positions a sequence may reach, prompt and output together (vLLM's option of the same
             name; ``None``: the model's context length). Longer requests are refused. On a GPU every step's
             attention covers this many positions, so a model of long context serving short requests runs faster

@@ -194,9 +194,10 @@ def test_the_qwen_presets_default_precision_keeps_the_float_models_top_token():
     """Qwen2.5-Coder-1.5B's file at its default 8-bit activations against the float32 forward of the same weights:
     the same top token at 98 % or more of the positions of Spec-Bench text, teacher-forced (98.7 % measured; where
     the preset is installed: 1 GB, not in CI's set)."""
+    from tiny import prefill_and_chain_logits
+
     import draftwise
     from draftwise.backend.forward.lean import LeanTarget
-    from draftwise.backend.rows import RowBlock
     from draftwise.models import PRESETS, is_installed
 
     if not is_installed(PRESETS["qwen2.5-coder-1.5b"]):
@@ -210,11 +211,8 @@ def test_the_qwen_presets_default_precision_keeps_the_float_models_top_token():
                                            calibrate=False)
     reference = LeanTarget(float_target.model)
 
-    def top_tokens(model, ids):
-        cache = model.new_cache(len(ids) + 8)
-        with torch.inference_mode():
-            model.prefill([cache], [ids[:1]])
-            return model.forward([cache], [RowBlock.chain(ids[1:])]).logits[0].argmax(-1)
+    def top_tokens(model, ids):  # (each position after the first, teacher-forced)
+        return prefill_and_chain_logits(model, ids[:1], ids[1:], len(ids) + 8)[1].argmax(-1)
 
     agreeing = total = 0
     for ids in sequences:

@@ -420,3 +420,16 @@ def test_cli_generate_runs_with_stats(tiny_cli, tiny_llama, capsys):
     assert stats["new_tokens"] == 12
     assert stats["finish_reason"] == "length"
     assert tiny_cli == ["smollm2-135m"]
+
+
+def test_load_model_unknown_kv_cache_dtype(tmp_path):
+    with pytest.raises(ModelLoadError, match="unknown kv_cache_dtype 'int8'"):
+        draftwise.load_model("smollm2-135m", cache_dir=tmp_path, kv_cache_dtype="int8")
+
+
+def test_kv_cache_dtype_option_of_the_cli():
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "hello"]).kv_cache_dtype is None
+    assert parser.parse_args(["generate", "hello", "--kv-cache-dtype", "float32"]).kv_cache_dtype == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hello", "--kv-cache-dtype", "int8"])

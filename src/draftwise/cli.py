@@ -15,7 +15,8 @@ import torch
 from .bench.prompts import DATASETS
 from .decoding.batch import DEFAULT_MAX_PREFILL_ROWS
 from .errors import DraftwiseError, InvalidRequestError
-from .models import ACTIVATION_BITS, DEFAULT_MODEL, PRESETS, WEIGHTS, default_cache_dir, install_preset, is_installed
+from .models import (ACTIVATION_BITS, DEFAULT_MODEL, KV_CACHE_DTYPES, PRESETS, WEIGHTS, default_cache_dir, install_preset,
+                     is_installed)
 
 #: The rows of ``draftwise bench`` when no --methods are given.
 DEFAULT_BENCH_METHODS = "ar,pld,hf,hf-pld"
@@ -40,6 +41,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "to 16 bits (the float model's top token almost everywhere) or 8 (llama.cpp's precision: "
                         "faster, the float model's top token at 95-99 %% of positions); default: the model's, 8 for "
                         "the qwen2.5-coder-1.5b preset's file as shipped (98.7 %% there), 16 otherwise")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", *KV_CACHE_DTYPES],
+                        help="what the caches keep keys and values in (default auto: float16 beside quantised weights "
+                        "on the CPU kernels, as llama.cpp's cache, the model's dtype otherwise)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most positions a sequence may reach, prompt and output together (default: the model's "
                         "context length); on a GPU each step's attention covers this many")
@@ -88,12 +92,15 @@ def _load(args: argparse.Namespace):
     target, tokenizer = load_model(
         args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, backend=args.backend,
         weights=args.weights, activation_bits=args.activation_bits, max_model_len=args.max_model_len,
-        torch_compile=args.enable_torch_compile,
+        torch_compile=args.enable_torch_compile, kv_cache_dtype=args.kv_cache_dtype,
     )
     quantization = getattr(target, "quantization", None)
     weights = f", {quantization} weights" if quantization else ", float weights"
     if getattr(target, "kernel_activation_bits", None):
         weights += f" ({target.kernel_activation_bits}-bit activations)"
+    kv_dtype = getattr(target, "kv_dtype", target.dtype)
+    if kv_dtype != target.dtype:
+        weights += f", {str(kv_dtype).removeprefix('torch.')} cache"
     print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')}{weights} on {target.device} "
           f"({target.backend} forward)", file=sys.stderr)
     return target, tokenizer
@@ -170,6 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         backend=args.backend,
         weights=args.weights,
         activation_bits=args.activation_bits,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         torch_compile=args.enable_torch_compile,
         device=args.device,
@@ -510,7 +518,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     load_options = {"dtype": args.dtype, "device": args.device, "backend": args.backend, "cache_dir": args.cache_dir,
                     "weights": args.weights, "activation_bits": args.activation_bits,
-                    "max_model_len": args.max_model_len, "torch_compile": args.enable_torch_compile}
+                    "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len, "torch_compile": args.enable_torch_compile}
     app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,

@@ -28,7 +28,7 @@ from .backend.calibration.costs import cost_curves
 from .backend.calibration.invariance import plan_rows
 from .backend.calibration.machine import MeasurementStore, cache_root, resolve_dtype
 from .backend.forward.graphed import lean_target
-from .backend.forward.lean import LeanTarget, model_device, unsupported_reason
+from .backend.forward.lean import KV_CACHE_DTYPES, LeanTarget, model_device, unsupported_reason
 from .backend.target import Target, TransformersTarget
 from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
 from .backend.weights.quantized import ACTIVATION_BITS, check_activation_bits
@@ -227,7 +227,7 @@ def _materialise(
 
 def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
                  device: torch.device = torch.device("cpu"), activation_bits: int = 16,
-                 torch_compile: bool = False) -> tuple[LeanTarget, Any]:
+                 torch_compile: bool = False, kv_cache_dtype: str | None = None) -> tuple[LeanTarget, Any]:
     """The lean forward of a GGUF file's own blocks on ``device`` and the file's tokenizer (``None`` where it has
     none), without a float model. Config, tokenizer and (for the compiled CPU kernels) the repacked products are kept
     in the cache folder (keyed by the file's path, size and time and the packed layout's version): the first load
@@ -253,13 +253,15 @@ def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
                 packed.unlink()
         if cached is not None:
             model, source, embedding = cached
-            target = lean_target(model, quantized=source, embedding=embedding, activation_bits=activation_bits)
+            target = lean_target(model, quantized=source, embedding=embedding, activation_bits=activation_bits,
+                                 kv_cache_dtype=kv_cache_dtype)
         else:
             weights = GGUFWeights(gguf_file)
             model = file_model(weights, config, device)
             embedding = file_embedding(model, weights)
             target = lean_target(model, quantized=file_matrices(model, weights), embedding=embedding,
-                                 activation_bits=activation_bits, **_compile_option(torch_compile))
+                                 activation_bits=activation_bits, kv_cache_dtype=kv_cache_dtype,
+                                 **_compile_option(torch_compile))
             del weights  # closes the file's mapping: only the products' blocks stay resident
             if not target.dequantizing:
                 save_packed(packed, model, target, embedding)
@@ -339,7 +341,7 @@ def _checkpoint_model(folder: Path, dtype: torch.dtype) -> Any:
 
 
 def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str | os.PathLike | None,
-                        activation_bits: int) -> LeanTarget:
+                        activation_bits: int, kv_cache_dtype: str | None = None) -> LeanTarget:
     """The lean forward of ``source`` (a GGUF file or a checkpoint folder; ``config`` its model's) with its products quantised to ``weights``
     (``"q8_0"``/``"q4_0"``) on the compiled CPU kernels, without float copies of those matrices. The first load
     quantises the products one at a time (a GGUF file's from its blocks de-quantised, as transformers would; no float
@@ -358,7 +360,8 @@ def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str 
     if packed.is_file():
         try:
             model, products, embedding = load_packed(packed, config)
-            return lean_target(model, quantized=products, embedding=embedding, activation_bits=activation_bits)
+            return lean_target(model, quantized=products, embedding=embedding, activation_bits=activation_bits,
+                               kv_cache_dtype=kv_cache_dtype)
         except Exception:  # a damaged or outdated cache file: quantised again below
             packed.unlink()
     if source.is_file():
@@ -366,12 +369,13 @@ def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str 
         model = file_model(file, config)
         embedding = file_embedding(model, file)
         target = lean_target(model, quantized=requantized_matrices(model, file_matrices(model, file), weights),
-                             embedding=embedding, activation_bits=activation_bits)
+                             embedding=embedding, activation_bits=activation_bits, kv_cache_dtype=kv_cache_dtype)
         del file  # (closes the file's mapping)
     else:
         model = _checkpoint_model(source, torch.float32).eval()
         embedding = None
-        target = make_target(model, "lean", calibrate=False, weights=weights, activation_bits=activation_bits)
+        target = make_target(model, "lean", calibrate=False, weights=weights, activation_bits=activation_bits,
+                             kv_cache_dtype=kv_cache_dtype)
     release_float_matrices(target)
     packed.parent.mkdir(parents=True, exist_ok=True)
     save_packed(packed, model, target, embedding)
@@ -509,6 +513,7 @@ def make_target(
     activation_bits: int = 16,
     max_model_len: int | None = None,
     torch_compile: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> Target:
     """The engine's :class:`~draftwise.backend.target.Target` for a loaded transformers model.
 
@@ -531,8 +536,10 @@ def make_target(
             :data:`ACTIVATION_BITS`).
         max_model_len: most positions a sequence may reach (see :func:`load_model`); ``None``: the model's.
         torch_compile: run the GPU's fixed-shape step through ``torch.compile`` (see :func:`load_model`).
+        kv_cache_dtype: what the lean forward's caches keep keys and values in (see :func:`load_model`).
     """
     check_load_activation_bits(activation_bits)
+    check_kv_cache_dtype(kv_cache_dtype)
     check_max_model_len(max_model_len)
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
@@ -551,7 +558,8 @@ def make_target(
         raise UnsupportedModelError(f"torch_compile runs the lean forward's step, which cannot run this model: "
                                     f"{reason}")
     if backend != "transformers" and reason is None:
-        options: dict[str, Any] = {"activation_bits": activation_bits, **_compile_option(torch_compile)}
+        options: dict[str, Any] = {"activation_bits": activation_bits, "kv_cache_dtype": kv_cache_dtype,
+                                   **_compile_option(torch_compile)}
         if weights == "file":
             from .backend.weights.gguf_file import GGUFWeights, file_embedding, file_matrices
 
@@ -567,12 +575,22 @@ def make_target(
                 options["quantization"] = weights
             target = lean_target(model, **options)
     else:
+        if kv_cache_dtype not in (None, "auto") and getattr(torch, kv_cache_dtype) != model.dtype:
+            raise UnsupportedModelError(f"a {kv_cache_dtype} cache runs on the lean backend; the transformers "
+                                        "backend keeps the model's dtype")
         if fast_linear and model.device.type == "cpu":
             use_row_efficient_linear(model)
             use_grouped_query_sdpa(model)
         target = TransformersTarget(model)
     _finish_target(target, max_model_len, cache_dir, calibrate)
     return target
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
+    """Refuse a ``kv_cache_dtype`` that names no cache dtype (``None`` and ``"auto"``: the model's default)."""
+    if kv_cache_dtype is not None and kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use auto or one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 def check_max_model_len(max_model_len: int | None) -> None:
@@ -653,6 +671,7 @@ def load_model(
     activation_bits: int | None = None,
     max_model_len: int | None = None,
     torch_compile: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[Target, Any]:
     """Load a causal LM and its tokenizer, ready for the engine.
 
@@ -691,6 +710,13 @@ def load_model(
             count: on an H200, a SmolLM2-135M-shaped model's step 9.5 -> 6.8 ms (96 s to compile), a
             Qwen2.5-1.5B-shaped one's 25.1 -> 23.8 ms. Rows stay bitwise plain decoding's (of the compiled step,
             whose rounding is its own: ids may differ from an uncompiled run's, as between dtypes). Off by default.
+        kv_cache_dtype: what the lean forward's caches keep keys and values in (vLLM's option of the same name):
+            ``None`` or ``"auto"`` (the default): ``float16`` where block-quantised products run on the compiled CPU
+            kernels (as llama.cpp's cache; half the bytes a step reads per cached position: one-row attention at
+            1000 positions about 2x faster), the model's dtype otherwise; ``"float16"`` beside float32 activations
+            on the compiled kernels; or the model's dtype (``"float32"``...). Keys and values are rounded to it as
+            they are made, so every verification row stays bitwise plain decoding's with the same setting.
+            ``target.kv_dtype`` says which.
 
     Returns:
         ``(target, tokenizer)``: ``target.model`` is the transformers model (the reference), ``target.dtype`` the
@@ -702,6 +728,7 @@ def load_model(
     """
     if activation_bits is not None:
         check_load_activation_bits(activation_bits)
+    check_kv_cache_dtype(kv_cache_dtype)
     check_max_model_len(max_model_len)
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
@@ -730,7 +757,8 @@ def load_model(
             resolve_checkpoint(name_or_path, cache_dir, progress)  # raises the error for what the name is
         if backend == "transformers":
             raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
-        target, tokenizer = _file_target(gguf_file, cache_dir, torch.device(device), activation_bits, torch_compile)
+        target, tokenizer = _file_target(gguf_file, cache_dir, torch.device(device), activation_bits, torch_compile,
+                                         kv_cache_dtype)
         _finish_target(target, max_model_len, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
@@ -744,7 +772,7 @@ def load_model(
             metadata = _file_metadata(source, cache_dir) if source.is_file() else source
             config = AutoConfig.from_pretrained(str(metadata))
             tokenizer = _folder_tokenizer(metadata)
-            target = _requantized_target(source, config, weights, cache_dir, activation_bits)
+            target = _requantized_target(source, config, weights, cache_dir, activation_bits, kv_cache_dtype)
         _finish_target(target, max_model_len, cache_dir, calibrate)
         target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
         return target, tokenizer
@@ -753,6 +781,6 @@ def load_model(
     model.to(device).eval()
     tokenizer = _folder_tokenizer(folder)
     target = make_target(model, backend, fast_linear, calibrate, cache_dir, weights, activation_bits=activation_bits,
-                         max_model_len=max_model_len, torch_compile=torch_compile)
+                         max_model_len=max_model_len, torch_compile=torch_compile, kv_cache_dtype=kv_cache_dtype)
     target.tokenizer, target.source, target.weights = tokenizer, str(name_or_path), weights
     return target, tokenizer

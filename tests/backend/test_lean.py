@@ -321,7 +321,10 @@ def test_fixed_row_products_stay_exact(tmp_path):
     assert report.exact, report.mismatches[:3]
     rng = random.Random(9)
     prompts = [repetitive_prompt(rng, low=5, high=50) for _ in range(5)]
-    assert_same_ids_as_ar(target, None, prompts, "pld", max_new_tokens=25, max_batch=5)
+    # Batched verification rows are checked bit for bit by check_trees above (trees verified several at a time in
+    # one forward); end to end, whether a batch of five drafts at all follows the step times measured as it runs
+    # (DraftingPolicy.after_step), so this run asserts the ids alone.
+    assert_same_ids_as_ar(target, None, prompts, "pld", max_new_tokens=25, max_batch=5, require_drafting=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -138,6 +138,89 @@ def test_every_row_is_bitwise_its_result_alone(dtype, head_dim, group):
         start += len(own)
 
 
+@needs_kernels
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 6), (80, 2), (8, 1)])
+def test_float16_cache_beside_float32_queries_is_the_float32_kernel_on_its_values(head_dim, group):
+    """A float16 cache (and this forward's keys and values in float16) beside float32 queries gives exactly the
+    float32 kernel's output on the same keys and values widened to float32: the widening is exact and the arithmetic
+    is the float32 kernel's. So its rows are bitwise plain decoding's as the float32 kernel's are; at any thread
+    count too."""
+    lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0, 37, 16, 0]
+    parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0), LONG_CHAIN, WIDE_TREE, PREFILL]
+    query, new_keys, new_values, keys, values = problem(torch.float16, head_dim, group, lengths, parents, seed=7)
+    query = query.float() * 1.25  # (float32 queries: not float16 values)
+    mixed = run(query, new_keys, new_values, keys, values, 1, lengths, parents)
+    widened = run(query, new_keys.float(), new_values.float(), [k.float() for k in keys], [v.float() for v in values],
+                  1, lengths, parents)
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, widened)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(query, new_keys, new_values, keys, values, 1, lengths, parents), mixed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_attention_refuses_caches_in_other_dtypes():
+    lengths, parents = [5], [(-1,)]
+    query, new_keys, new_values, keys, values = problem(torch.float32, 64, 2, lengths, parents)
+    with pytest.raises(RuntimeError, match="float16 beside float32 queries"):
+        run(query, new_keys.bfloat16(), new_values.bfloat16(), [keys[0].bfloat16()], [values[0].bfloat16()], 0,
+            lengths, parents)
+    with pytest.raises(RuntimeError, match="float16 beside float32 queries"):
+        run(query.bfloat16(), new_keys.half(), new_values.half(), [keys[0].half()], [values[0].half()], 0, lengths,
+            parents)
+    with pytest.raises(RuntimeError, match="new keys and values in the caches' dtype"):
+        run(query, new_keys, new_values, [keys[0].half()], [values[0].half()], 0, lengths, parents)
+
+
+@needs_kernels
+def test_the_cache_dtype_of_a_lean_target():
+    """float16 caches by default where quantised products run on the kernels, the model's dtype elsewhere; an
+    explicit choice where it can run, a clear error where it cannot."""
+    model = make_tiny_model("llama", seed=0)
+    assert LeanTarget(model).kv_dtype == torch.float32
+    assert LeanTarget(model, quantization="q8_0").kv_dtype == torch.float16
+    assert LeanTarget(model, quantization="q8_0", kv_cache_dtype="float32").kv_dtype == torch.float32
+    assert LeanTarget(model, kv_cache_dtype="float16").kv_dtype == torch.float16
+    target = LeanTarget(model, quantization="q4_0")
+    cache = target.new_cache(10)
+    assert cache.keys.dtype == cache.values.dtype == torch.float16
+    with pytest.raises(UnsupportedModelError, match="bfloat16 cache cannot run beside float32"):
+        LeanTarget(model, kv_cache_dtype="bfloat16")
+    with pytest.raises(UnsupportedModelError, match="float16 cache cannot run beside float32"):
+        LeanTarget(model, kernel=False, kv_cache_dtype="float16")
+    with pytest.raises(UnsupportedModelError, match="unknown kv_cache_dtype"):
+        LeanTarget(model, kv_cache_dtype="int8")
+    assert LeanTarget(make_tiny_model("llama", seed=0).to(torch.bfloat16)).kv_dtype == torch.bfloat16
+
+
+@needs_kernels
+def test_a_float16_cache_keeps_verification_exact_and_close_to_float32(tmp_path):
+    """With a float16 cache, batched trees and pld stay bitwise plain decoding (the cache's own), and the logits
+    stay within float16's rounding of the float32 cache's."""
+    from draftwise.backend.calibration.invariance import check_trees, plan_rows
+    from draftwise.backend.calibration.machine import MeasurementStore
+
+    model = make_tiny_model("qwen2", seed=2)
+    half = LeanTarget(model, quantization="q8_0")
+    full = LeanTarget(model, quantization="q8_0", kv_cache_dtype="float32")
+    assert half.kv_dtype == torch.float16 and full.kv_dtype == torch.float32
+    assert plan_rows(half, MeasurementStore(tmp_path)).exact
+    report = check_trees(half, trials=8, steps=40, prompt_length=70, seed=4)
+    assert report.exact, report.mismatches[:3]
+    rng = random.Random(5)
+    prompts = [repetitive_prompt(rng, low=20, high=120) for _ in range(3)]
+    with torch.inference_mode():
+        for prompt in prompts:
+            a = half.prefill([half.new_cache(len(prompt) + 8)], [prompt]).logits[0]
+            b = full.prefill([full.new_cache(len(prompt) + 8)], [prompt]).logits[0]
+            assert not torch.equal(a, b)  # (the cache's rounding shows)
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert_same_ids_as_ar(half, None, prompts, "pld", max_new_tokens=30)
+
+
 def test_ragged_layout():
     layout = ragged_layout([7, 2], [(-1, 0, 0, 2), (-1,)])
     assert layout.row_sequence.tolist() == [0, 0, 0, 0, 1]
@@ -176,7 +259,7 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
 def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, kind, tmp_path):
     """The decoder layers as one compiled call give the logits and the cache contents of the Python loop over the
     same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections;
-    q4_0: the quantised products)."""
+    q4_0: the quantised products, beside a float16 cache)."""
     from draftwise.backend.calibration.invariance import plan_rows
     from draftwise.backend.calibration.machine import MeasurementStore
     from draftwise.backend.forward.lean import LeanTarget
@@ -186,6 +269,7 @@ def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, ki
         target = planned(model, tmp_path)
     else:
         target = LeanTarget(model, quantization=weights, activation_bits=bits)
+        assert target.kv_dtype == torch.float16  # (the compiled loop rounds this forward's keys as the cache keeps them)
         plan_rows(target, MeasurementStore(tmp_path))
     if target.compiled_layers is None:
         pytest.skip(f"the blocked products do not run {dtype} on this CPU")

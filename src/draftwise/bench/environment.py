@@ -186,6 +186,8 @@ def environment(
         "weights": getattr(model, "quantization", None) or str(model.dtype).removeprefix("torch."),
         # (the precision of the quantised products' activations on the CPU kernels; None where there are none)
         "activation_bits": getattr(model, "kernel_activation_bits", None),
+        # (what the caches keep keys and values in: the lean forward's, else the model's dtype)
+        "kv_cache_dtype": str(getattr(model, "kv_dtype", model.dtype)).removeprefix("torch."),
         "backend": getattr(model, "backend", "transformers"),
         # (most positions a sequence may reach: the model's, or max_model_len where given)
         "context_length": getattr(model, "context_length", None),

@@ -496,7 +496,8 @@ class BenchSettings:
     Attributes:
         methods: method specs and transformers rows (``ar`` is added first when missing).
         model, draft_model: presets, GGUF files or checkpoint folders (``draft_model`` adds ``hf-assisted``).
-        dtype, backend, weights, activation_bits, max_model_len, torch_compile, device, threads, cache_dir: how the
+        dtype, backend, weights, activation_bits, kv_cache_dtype, max_model_len, torch_compile, device, threads,
+            cache_dir: how the
             models are loaded (see :func:`draftwise.load_model`); with ``weights="file"`` the llama.cpp rows run the
             very GGUF file the target runs, else the file rewritten at the target's float width.
         budgets: draft budgets to sweep (``None``: each method at the engine's default).
@@ -514,6 +515,7 @@ class BenchSettings:
     backend: str = "auto"
     weights: str | None = None
     activation_bits: int | None = None
+    kv_cache_dtype: str | None = None
     max_model_len: int | None = None
     torch_compile: bool = False
     device: str = "cpu"
@@ -594,6 +596,7 @@ class Benchmark:
                 settings.model, dtype=settings.dtype, device=settings.device, cache_dir=settings.cache_dir,
                 backend=settings.backend, weights=settings.weights, activation_bits=settings.activation_bits,
                 max_model_len=settings.max_model_len, torch_compile=settings.torch_compile,
+                kv_cache_dtype=settings.kv_cache_dtype,
             )
         draft_model = None
         if settings.draft_model:

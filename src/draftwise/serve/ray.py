@@ -252,11 +252,11 @@ class SessionAffinityRouter(LocalityMixin, RequestRouter):
 def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any]) -> None:
     """Refuse, before any replica starts, a model or load option every replica would fail on."""
     from ..backend.calibration.machine import resolve_dtype
-    from ..models import (BACKENDS, PRESETS, WEIGHTS, check_load_activation_bits, check_max_model_len,
-                          check_torch_compile)
+    from ..models import (BACKENDS, PRESETS, WEIGHTS, check_kv_cache_dtype, check_load_activation_bits,
+                          check_max_model_len, check_torch_compile)
 
     unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate", "weights",
-                                   "activation_bits", "max_model_len", "torch_compile"}
+                                   "activation_bits", "kv_cache_dtype", "max_model_len", "torch_compile"}
     if unknown:
         raise InvalidRequestError(f"unknown load options: {', '.join(sorted(unknown))}")
     if load_options.get("backend", "auto") not in BACKENDS:
@@ -265,6 +265,7 @@ def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any])
         raise ModelLoadError(f"unknown weights {load_options['weights']!r}; weights: {', '.join(WEIGHTS)}")
     if load_options.get("activation_bits") is not None:  # (None: the model's, see draftwise.load_model)
         check_load_activation_bits(load_options["activation_bits"])
+    check_kv_cache_dtype(load_options.get("kv_cache_dtype"))
     check_max_model_len(load_options.get("max_model_len"))
     check_torch_compile(load_options.get("torch_compile", False), load_options.get("device", "cpu"),
                         load_options.get("backend", "auto"))
@@ -320,8 +321,8 @@ def build_app(
             default power-of-two-choices routing.
         health_check_period_s: how often Serve calls each replica's health check.
         load_options: passed to :func:`draftwise.load_model` (``dtype``, ``device``, ``backend``, ``cache_dir``,
-            ``weights``, ``activation_bits``, ``max_model_len``, ``torch_compile``), with a model name; a loader
-            function loads the model itself, and takes none.
+            ``weights``, ``activation_bits``, ``kv_cache_dtype``, ``max_model_len``, ``torch_compile``), with a model
+            name; a loader function loads the model itself, and takes none.
     """
     if replicas < 1:
         raise InvalidRequestError("replicas must be at least 1")

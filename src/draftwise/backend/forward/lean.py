@@ -60,6 +60,8 @@ FAMILIES = ("llama", "qwen2")
 #: Positions per attention block (see :mod:`draftwise.backend.forward.attention`); the compiled attention kernel is built for
 #: this size (``kCacheBlock`` in ``native/ragged_attention.cpp``, checked at every call).
 BLOCK = 64
+#: The cache dtypes ``kv_cache_dtype`` names (besides ``"auto"``).
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 #: Most prompt rows in one forward of a prefill with the compiled kernels (within :data:`MAX_FORWARD_ROWS`, up to
 #: which products are checked to keep every row's bits).
 PREFILL_PIECE = 512
@@ -214,6 +216,12 @@ class LeanTarget(Target):
             in: 16 (the default: within about 1e-4 of the float forward) or 8 (llama.cpp's: half the integer
             multiplies); see :class:`~draftwise.backend.weights.quantized.QuantizedLinear`. Products dequantised per
             call (GPUs) take float activations whatever this says (see :attr:`kernel_activation_bits`).
+        kv_cache_dtype: what the caches keep keys and values in (:attr:`kv_dtype`): ``None`` (the default) float16
+            where block-quantised products run on the compiled kernels (float32 activations; llama.cpp's default
+            cache too), the model's dtype otherwise; or a dtype (name): the model's, or float16 beside float32
+            activations on the compiled kernels. Keys and values are rounded to it as the forward makes them, so a
+            row's attention reads the same values from this forward's rows as from the cache: verification rows stay
+            bitwise plain decoding's.
 
     A model built without its quantised weights (:func:`draftwise.backend.weights.gguf_file.file_model`: those
     matrices on the ``meta`` device, every one given by ``quantized``/``embedding``) runs on the CPU.
@@ -234,6 +242,7 @@ class LeanTarget(Target):
         quantized: Mapping[Any, QuantizedMatrix] | MatrixSource | None = None,
         embedding: Any = None,
         activation_bits: int = 16,
+        kv_cache_dtype: torch.dtype | str | None = None,
     ) -> None:
         check_activation_bits(activation_bits)
         #: The precision asked for the quantised products' activations (see the class notes).
@@ -325,7 +334,28 @@ class LeanTarget(Target):
         half = self.head_dim // 2
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        #: The dtype the caches keep keys and values in (see ``kv_cache_dtype``).
+        self.kv_dtype = self._kv_dtype(kv_cache_dtype)
         self.compiled_layers = self._compiled_layers()
+
+    def _kv_dtype(self, asked: torch.dtype | str | None) -> torch.dtype:
+        """The caches' dtype for ``kv_cache_dtype`` (see the class notes); a clear error where it cannot run."""
+        dtype = self.dtype
+        half_beside_float32 = dtype == torch.float32 and self.kernel is not None
+        if asked is None or asked == "auto":
+            quantized = any(isinstance(product, QuantizedLinear) for product in self.products)
+            return torch.float16 if half_beside_float32 and quantized else dtype
+        if isinstance(asked, str):
+            named = getattr(torch, asked, None) if asked in KV_CACHE_DTYPES else None
+            if not isinstance(named, torch.dtype):
+                raise UnsupportedModelError(f"unknown kv_cache_dtype {asked!r}: use auto or one of "
+                                            f"{', '.join(KV_CACHE_DTYPES)}")
+            asked = named
+        if asked == dtype or (asked == torch.float16 and half_beside_float32):
+            return asked
+        raise UnsupportedModelError(
+            f"a {str(asked).removeprefix('torch.')} cache cannot run beside {str(dtype).removeprefix('torch.')} "
+            "activations here: keep the model's dtype (float16 runs beside float32 on the compiled CPU kernels)")
 
     def _check_quantization(self, quantization: str | None) -> None:
         """A clear error where this forward cannot keep its products' weights in ``quantization`` (they need
@@ -456,7 +486,7 @@ class LeanTarget(Target):
 
     def new_cache(self, capacity: int) -> LeanCache:
         return LeanCache(
-            len(self.layers), self.kv_heads, self.head_dim, self.block, capacity + self.block, self.dtype, self.device
+            len(self.layers), self.kv_heads, self.head_dim, self.block, capacity + self.block, self.kv_dtype, self.device
         )
 
     def cache_length(self, cache: LeanCache) -> int:
@@ -611,6 +641,8 @@ class LeanTarget(Target):
             queries = query_key[:, :heads] * self.scale
             keys = query_key[:, heads:]
         values = qkv[:rows, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+        if keys.dtype != self.kv_dtype:  # (rounded as the caches keep them, see kv_cache_dtype)
+            keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
         for sequence, (cache, slot) in enumerate(zip(caches, slots)):
             if slot is None:
                 continue

@@ -52,6 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
     const at::Tensor& path_rows) const {
     const int64_t rows = hidden.size(0), dim = cos.size(1);
     const int64_t values_from = (heads_ + kv_heads_) * dim;
+    const auto kv_type = key_caches.front().scalar_type();
     std::vector<at::Tensor> keys, values;
     keys.reserve(size());
     values.reserve(size());
@@ -59,6 +60,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
         auto qkv = product(rms_norm(hidden, norms_[2 * layer], eps_, min_rows), layer, kQkv, min_rows);
         auto [layer_queries, layer_keys] = rotate_queries_keys(qkv, cos, signed_sin, rows, heads_, kv_heads_, scale_);
         auto layer_values = qkv.narrow(0, 0, rows).narrow(1, values_from, kv_heads_ * dim).view({rows, kv_heads_, dim});
+        if (layer_keys.scalar_type() != kv_type) {  // (a float16 cache: this forward's rows rounded as it keeps them)
+            layer_keys = layer_keys.to(kv_type);
+            layer_values = layer_values.to(kv_type);
+        }
         auto attended = ragged_attention(layer_queries, layer_keys, layer_values, key_caches, value_caches, layer,
                                          row_sequence, row_committed, path_offsets, path_rows);
         hidden = hidden + product(attended, layer, kOutput, min_rows);

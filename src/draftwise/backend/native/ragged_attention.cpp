@@ -15,6 +15,8 @@
 //
 // A row reads its sequence's committed positions in place from the block-major cache ``(layers, blocks, kv_heads,
 // block, head_dim)`` and this forward's rows on its path (its ancestors, then itself) from the new keys and values.
+// Keys and values are in the query's dtype, or in float16 beside float32 queries (half the bytes a row reads per
+// position): widened exactly to float32 as they are loaded, so the arithmetic is the float32 kernel's on their values.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -534,8 +536,8 @@ void attend_value_pairs(const SequenceView<c10::BFloat16>& view, const float* sc
 
 // One sequence's rows (``rows`` of them; row ``r``'s path of ``path_lengths[r]`` new rows at ``paths[r]``) for one
 // key head and its ``G`` query heads. Committed keys and values are read once for all the rows.
-template <typename scalar_t, int G, int C>
-void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* const* queries, scalar_t* const* outputs,
+template <typename scalar_t, int G, int C, typename query_t = scalar_t>
+void attend_sequence_head(const SequenceView<scalar_t>& view, const query_t* const* queries, query_t* const* outputs,
                           int64_t rows, const int64_t* const* paths, const int64_t* path_lengths, int64_t dim,
                           Scratch& scratch) {
     // C: the chunk count when known at compile time (head_dim 64 or 128), 0 otherwise.
@@ -709,7 +711,7 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
         for (int g = 0; g < G; ++g) {
             const floats16* sum = sums + (r * G + g) * chunks;
             const float total = scratch.totals[r * G + g];
-            scalar_t* out = outputs[r] + g * dim;
+            query_t* out = outputs[r] + g * dim;
             for (int64_t c = 0; c < chunks; ++c)
                 store_lanes(out + c * kLanes, sum[c] / total, std::min<int64_t>(kLanes, dim - c * kLanes));
         }
@@ -815,8 +817,8 @@ inline void add_values(const float* weights, int64_t from, int64_t to, Values&& 
     for (int d = 0; d < D; ++d) _mm256_storeu_ps(sums + 8 * d, totals[d]);
 }
 
-template <typename scalar_t, int G, int C>
-void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* const* queries, scalar_t* const* outputs,
+template <typename scalar_t, int G, int C, typename query_t = scalar_t>
+void attend_sequence_head(const SequenceView<scalar_t>& view, const query_t* const* queries, query_t* const* outputs,
                           int64_t rows, const int64_t* const* paths, const int64_t* path_lengths, int64_t dim,
                           Scratch& scratch) {
     constexpr int64_t kDim = 16 * C;
@@ -916,7 +918,7 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
             alignas(32) float averaged[kDim];
             for (int64_t d = 0; d < kDim; d += 8)
                 _mm256_store_ps(averaged + d, _mm256_div_ps(_mm256_loadu_ps(sums + (r * G + g) * kDim + d), total));
-            scalar_t* out = outputs[r] + g * dim;
+            query_t* out = outputs[r] + g * dim;
             for (int64_t c = 0; c < C; ++c) store_lanes(out + c * kSixteen, load16(averaged + c * kSixteen), kSixteen);
         }
     }
@@ -925,9 +927,9 @@ void attend_sequence_head(const SequenceView<scalar_t>& view, const scalar_t* co
 }  // namespace avx2
 #endif
 
-template <typename scalar_t>
-void attend_sequence(int64_t group, const SequenceView<scalar_t>& view, const scalar_t* const* queries,
-                     scalar_t* const* outputs, int64_t rows, const int64_t* const* paths, const int64_t* path_lengths,
+template <typename scalar_t, typename query_t>
+void attend_sequence(int64_t group, const SequenceView<scalar_t>& view, const query_t* const* queries,
+                     query_t* const* outputs, int64_t rows, const int64_t* const* paths, const int64_t* path_lengths,
                      int64_t dim, Scratch& scratch) {
     // Heads of 64 or 128 dimensions: the eight-lane code on machines whose registers hold eight floats.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -938,10 +940,13 @@ void attend_sequence(int64_t group, const SequenceView<scalar_t>& view, const sc
     switch (group) {
 #define DRAFTWISE_GROUP(G)                                                                                       \
         case G:                                                                                                      \
-            if (dim == 64) KERNEL<scalar_t, G, 4>(view, queries, outputs, rows, paths, path_lengths, dim, scratch); \
-            else if (dim == 128) KERNEL<scalar_t, G, 8>(view, queries, outputs, rows, paths, path_lengths, dim,    \
-                                                         scratch);                                                   \
-            else attend_sequence_head<scalar_t, G, 0>(view, queries, outputs, rows, paths, path_lengths, dim, scratch); \
+            if (dim == 64)                                                                                       \
+                KERNEL<scalar_t, G, 4, query_t>(view, queries, outputs, rows, paths, path_lengths, dim, scratch);     \
+            else if (dim == 128)                                                                                     \
+                KERNEL<scalar_t, G, 8, query_t>(view, queries, outputs, rows, paths, path_lengths, dim, scratch);     \
+            else                                                                                                     \
+                attend_sequence_head<scalar_t, G, 0, query_t>(view, queries, outputs, rows, paths, path_lengths, dim, \
+                                                              scratch);                                             \
             break;
         DRAFTWISE_GROUP(1) DRAFTWISE_GROUP(2) DRAFTWISE_GROUP(3) DRAFTWISE_GROUP(4)
         DRAFTWISE_GROUP(5) DRAFTWISE_GROUP(6) DRAFTWISE_GROUP(7) DRAFTWISE_GROUP(8)
@@ -979,17 +984,29 @@ at::Tensor ragged_attention(
                         key_caches[s].sizes() == value_caches[s].sizes() &&
                         key_caches[s].stride(1) == key_caches[0].stride(1),
                     "caches: (layers, blocks, kv_heads, ", kCacheBlock, ", dim), keys and values alike");
-        TORCH_CHECK(key_caches[s].scalar_type() == query.scalar_type(), "caches in the query's dtype");
+        TORCH_CHECK(key_caches[s].scalar_type() == key_caches[0].scalar_type() &&
+                        value_caches[s].scalar_type() == key_caches[0].scalar_type(),
+                    "every cache in one dtype");
     }
+    // Keys and values are kept in the query's dtype, or in float16 beside float32 queries (a cache of half the
+    // bytes; the keys and values are float16 values then, read exactly as float32, so the arithmetic is the float32
+    // kernel's on them).
+    const auto kv_type = key_caches[0].scalar_type();
+    const bool half_kv = query.scalar_type() == at::kFloat && kv_type == at::kHalf;
+    TORCH_CHECK(kv_type == query.scalar_type() || half_kv,
+                "caches in the query's dtype, or float16 beside float32 queries");
+    TORCH_CHECK(new_keys.scalar_type() == kv_type && new_values.scalar_type() == kv_type,
+                "new keys and values in the caches' dtype");
     const int64_t* sequence_of = row_sequence.data_ptr<int64_t>();
     const int64_t* committed_of = row_committed.data_ptr<int64_t>();
     const int64_t* offsets = path_offsets.data_ptr<int64_t>();
     const int64_t* paths = path_rows.data_ptr<int64_t>();
     auto output = at::empty({rows, heads * dim}, query.options());
 
-    auto run = [&](auto zero) {
-        using scalar_t = decltype(zero);
-        const scalar_t* queries = query.data_ptr<scalar_t>();
+    auto run = [&](auto query_zero, auto kv_zero) {
+        using query_t = decltype(query_zero);
+        using scalar_t = decltype(kv_zero);
+        const query_t* queries = query.data_ptr<query_t>();
         const scalar_t* fresh_keys = new_keys.data_ptr<scalar_t>();
         const scalar_t* fresh_values = new_values.data_ptr<scalar_t>();
         const int64_t key_row_stride = new_keys.stride(0), value_row_stride = new_values.stride(0);
@@ -999,7 +1016,7 @@ at::Tensor ragged_attention(
             value_bases.push_back(value_caches[s].data_ptr<scalar_t>() + layer * value_caches[s].stride(0));
         }
         const int64_t block_stride = key_caches[0].stride(1), head_stride = key_caches[0].stride(2);
-        scalar_t* out = output.data_ptr<scalar_t>();
+        query_t* out = output.data_ptr<query_t>();
         // Rows of one sequence are consecutive: find each sequence's first row. A sequence's rows are split into runs
         // of their own (a row's result does not depend on which rows share its run), so that threads get even shares:
         // into enough runs for a few (run, key head) tasks per thread where there are few sequences (one sequence's
@@ -1037,8 +1054,8 @@ at::Tensor ragged_attention(
         std::atomic<int64_t> next_task{0};
         at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
             Scratch scratch;
-            std::vector<const scalar_t*> row_queries;
-            std::vector<scalar_t*> row_outputs;
+            std::vector<const query_t*> row_queries;
+            std::vector<query_t*> row_outputs;
             std::vector<const int64_t*> row_paths;
             std::vector<int64_t> row_path_lengths;
             for (int64_t task = next_task.fetch_add(1, std::memory_order_relaxed); task < tasks;
@@ -1061,11 +1078,12 @@ at::Tensor ragged_attention(
                     row_paths.push_back(paths + offsets[row]);
                     row_path_lengths.push_back(offsets[row + 1] - offsets[row]);
                 }
-                attend_sequence<scalar_t>(group, view, row_queries.data(), row_outputs.data(), count,
+                attend_sequence<scalar_t, query_t>(group, view, row_queries.data(), row_outputs.data(), count,
                                           row_paths.data(), row_path_lengths.data(), dim, scratch);
             }
         });
     };
-    dispatch(query, run);
+    if (half_kv) run(float{}, c10::Half{});
+    else dispatch(query, [&](auto zero) { run(zero, zero); });
     return output;
 }

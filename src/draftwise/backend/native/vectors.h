@@ -59,10 +59,22 @@ inline floats16 load16(const c10::BFloat16* source) {
     return reinterpret_cast<floats16>(__builtin_convertvector(raw, words16) << 16);
 }
 
+// (float16 to float32 is exact: the conversion instructions give each lane's own conversion)
 inline floats16 load16(const c10::Half* source) {
+#if defined(__AVX512F__)
+    return (floats16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)));
+#elif defined(__F16C__)
+    floats16 out;
+    const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
+    const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 8)));
+    std::memcpy(&out, &low, sizeof(low));
+    std::memcpy(reinterpret_cast<char*>(&out) + sizeof(low), &high, sizeof(high));
+    return out;
+#else
     floats16 out;
     for (int lane = 0; lane < kLanes; ++lane) out[lane] = static_cast<float>(source[lane]);
     return out;
+#endif
 }
 
 // The first ``count`` (at most sixteen) lanes stored in ``target``'s dtype, rounded to nearest even: exactly what a
@@ -194,9 +206,15 @@ inline native_floats load_native(const c10::BFloat16* source) {
 }
 
 inline native_floats load_native(const c10::Half* source) {
+#if defined(__AVX512F__)
+    return (native_floats)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)));
+#elif defined(__AVX__) && defined(__F16C__)
+    return (native_floats)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
+#else
     native_floats out;
     for (int lane = 0; lane < kNativeLanes; ++lane) out[lane] = static_cast<float>(source[lane]);
     return out;
+#endif
 }
 
 // The first ``count`` (at most kNativeLanes) elements at ``source``, zeros after them.

@@ -53,7 +53,7 @@ class Preset:
             (see :func:`load_model`): 8 bits where, measured, the file's forward keeps the top token of the float
             model of the same weights at 98 % or more of the positions of real text (teacher-forced, Spec-Bench
             prompts), else 16: on SmolLM2-135M's file 8 bits keep 96.8 % (16 bits 100 %), on Qwen2.5-Coder-1.5B's
-            98.7 %.
+            98.7 % (with a float32 cache; 98.6 % with the default float16 one).
     """
 
     name: str
@@ -227,7 +227,8 @@ def _materialise(
 
 def _file_target(gguf_file: Path, cache_dir: str | os.PathLike | None,
                  device: torch.device = torch.device("cpu"), activation_bits: int = 16,
-                 torch_compile: bool = False, kv_cache_dtype: str | None = None) -> tuple[LeanTarget, Any]:
+                 torch_compile: bool = False,
+                 kv_cache_dtype: str | torch.dtype | None = None) -> tuple[LeanTarget, Any]:
     """The lean forward of a GGUF file's own blocks on ``device`` and the file's tokenizer (``None`` where it has
     none), without a float model. Config, tokenizer and (for the compiled CPU kernels) the repacked products are kept
     in the cache folder (keyed by the file's path, size and time and the packed layout's version): the first load
@@ -341,7 +342,7 @@ def _checkpoint_model(folder: Path, dtype: torch.dtype) -> Any:
 
 
 def _requantized_target(source: Path, config: Any, weights: str, cache_dir: str | os.PathLike | None,
-                        activation_bits: int, kv_cache_dtype: str | None = None) -> LeanTarget:
+                        activation_bits: int, kv_cache_dtype: str | torch.dtype | None = None) -> LeanTarget:
     """The lean forward of ``source`` (a GGUF file or a checkpoint folder; ``config`` its model's) with its products quantised to ``weights``
     (``"q8_0"``/``"q4_0"``) on the compiled CPU kernels, without float copies of those matrices. The first load
     quantises the products one at a time (a GGUF file's from its blocks de-quantised, as transformers would; no float
@@ -513,7 +514,7 @@ def make_target(
     activation_bits: int = 16,
     max_model_len: int | None = None,
     torch_compile: bool = False,
-    kv_cache_dtype: str | None = None,
+    kv_cache_dtype: str | torch.dtype | None = None,
 ) -> Target:
     """The engine's :class:`~draftwise.backend.target.Target` for a loaded transformers model.
 
@@ -575,7 +576,8 @@ def make_target(
                 options["quantization"] = weights
             target = lean_target(model, **options)
     else:
-        if kv_cache_dtype not in (None, "auto") and getattr(torch, kv_cache_dtype) != model.dtype:
+        asked = getattr(torch, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+        if kv_cache_dtype not in (None, "auto") and asked != model.dtype:
             raise UnsupportedModelError(f"a {kv_cache_dtype} cache runs on the lean backend; the transformers "
                                         "backend keeps the model's dtype")
         if fast_linear and model.device.type == "cpu":
@@ -586,8 +588,10 @@ def make_target(
     return target
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
+def check_kv_cache_dtype(kv_cache_dtype: str | torch.dtype | None) -> None:
     """Refuse a ``kv_cache_dtype`` that names no cache dtype (``None`` and ``"auto"``: the model's default)."""
+    if isinstance(kv_cache_dtype, torch.dtype):
+        kv_cache_dtype = str(kv_cache_dtype).removeprefix("torch.")
     if kv_cache_dtype is not None and kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ModelLoadError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use auto or one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
@@ -671,7 +675,7 @@ def load_model(
     activation_bits: int | None = None,
     max_model_len: int | None = None,
     torch_compile: bool = False,
-    kv_cache_dtype: str | None = None,
+    kv_cache_dtype: str | torch.dtype | None = None,
 ) -> tuple[Target, Any]:
     """Load a causal LM and its tokenizer, ready for the engine.
 
@@ -692,8 +696,9 @@ def load_model(
             (``None`` for float weights).
         activation_bits: with quantised weights on the compiled CPU kernels, the precision each row's activations
             are quantised to per group of 32 inputs: ``16`` (logits within about 1e-4 of the float model of the same
-            weights) or ``8`` (llama.cpp's precision, with its fidelity: on SmolLM2's file the float model's top token
-            at 95-97 % of positions, as llama.cpp's own, on Qwen2.5-Coder-1.5B's 98.7 %; one-row steps, prompts and
+            weights, with a float32 cache) or ``8`` (llama.cpp's precision, with its fidelity: on SmolLM2's file the
+            float model's top token at 95-97 % of positions, as llama.cpp's own, on Qwen2.5-Coder-1.5B's 98.6 % (98.7 %
+            with a float32 cache); one-row steps, prompts and
             verification forwards of several rows faster, 1.3-1.5x for the latter two). ``None`` (the default): the
             model's (:func:`default_activation_bits`: 8 for the Qwen2.5-Coder-1.5B preset's file as shipped, 16
             otherwise). Either way every verification row is bitwise plain decoding's with the same setting.

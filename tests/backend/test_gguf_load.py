@@ -39,9 +39,10 @@ def float_model(path):
                          ids=["llama-tied-q4_0", "qwen2-q4_k-q6_k-head"])
 def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch, shape, type_name):
     path = write_random_gguf(tmp_path / "model.gguf", shape, type_name)
-    # (16-bit activations: within 1e-3 of the float model, close enough to show every tensor went where it belongs)
+    # (16-bit activations and a float32 cache: within 1e-3 of the float model, close enough to show every tensor went
+    # where it belongs)
     target, tokenizer = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path,
-                                             activation_bits=16)
+                                             activation_bits=16, kv_cache_dtype="float32")
     assert tokenizer is not None and tokenizer.decode(tokenizer("hello")["input_ids"]) == "hello"
     assert all(isinstance(product, QuantizedLinear) for product in target.products)
     layer = target.model.model.layers[0]
@@ -51,7 +52,7 @@ def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch,
 
     reference = float_model(path)
     checked = make_target(reference, weights="file", gguf_file=path, calibrate=False,  # each matrix checked
-                          activation_bits=16)
+                          activation_bits=16, kv_cache_dtype="float32")
     ours = prefill_and_chain_logits(target, PROMPT, CHAIN, 32)
     for mine, theirs in zip(ours, prefill_and_chain_logits(checked, PROMPT, CHAIN, 32)):
         assert torch.equal(mine, theirs)
@@ -62,7 +63,8 @@ def test_a_file_runs_its_own_blocks_without_a_float_model(tmp_path, monkeypatch,
         raise AssertionError("a cached model read the GGUF file again")
 
     monkeypatch.setattr(gguf_file, "GGUFWeights", unreadable)
-    again, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path, activation_bits=16)
+    again, _ = draftwise.load_model(str(path), weights="file", calibrate=False, cache_dir=tmp_path, activation_bits=16,
+                                    kv_cache_dtype="float32")
     for mine, theirs in zip(ours, prefill_and_chain_logits(again, PROMPT, CHAIN, 32)):
         assert torch.equal(mine, theirs)
     plain = draftwise.generate(again, tokenizer, prompt_ids=PROMPT, method="ar", max_new_tokens=12, ignore_eos=True)

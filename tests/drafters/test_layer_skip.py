@@ -48,6 +48,22 @@ def test_greedy_ids_equal_ar_alone_and_batched(dtype, tmp_path):
     assert len(drafter.search.history) > scored or not drafter.search.searching  # batched sequences search too
 
 
+def test_greedy_ids_equal_ar_beside_a_float16_cache(tmp_path):
+    """Quantised products keep keys and values in float16 (rounded as the forward makes them): a layer-skipping draft
+    writes its rows there layer by layer, and the ids stay plain greedy's."""
+    from draftwise.backend.calibration.invariance import plan_rows
+    from draftwise.backend.calibration.machine import MeasurementStore
+
+    target = LeanTarget(make_tiny_model("llama", seed=0, num_hidden_layers=6), quantization="q8_0")
+    if target.kv_dtype != torch.float16:
+        pytest.skip("quantised products run on the compiled kernels only")
+    plan_rows(target, MeasurementStore(tmp_path))
+    drafter = LayerSkipDrafter(ratio=0.3, threshold=0.0, adaptive=False, trials=40, window=8, search_share=100.0)
+    rng = random.Random(4)
+    prompts = [repetitive_prompt(rng, low=10, high=70) for _ in range(3)]
+    assert_same_ids_as_ar(target, None, prompts, drafter, max_new_tokens=30)
+
+
 def test_the_targets_cache_is_left_as_it_was(tmp_path):
     target = deep_target(torch.float32, tmp_path)
     drafter = LayerSkipDrafter(ratio=0.5, threshold=0.0, adaptive=False)

@@ -99,6 +99,12 @@ class Target(ABC):
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the caches keep keys and values in: the model's, unless the forward keeps them otherwise (see
+        :class:`~draftwise.backend.forward.lean.LeanTarget`)."""
+        return self.dtype
+
     @functools.cached_property
     def context_length(self) -> int:
         """Most positions a sequence may reach, prompt and output together: the model's, or less where

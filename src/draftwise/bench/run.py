@@ -497,9 +497,9 @@ class BenchSettings:
         methods: method specs and transformers rows (``ar`` is added first when missing).
         model, draft_model: presets, GGUF files or checkpoint folders (``draft_model`` adds ``hf-assisted``).
         dtype, backend, weights, activation_bits, kv_cache_dtype, max_model_len, torch_compile, device, threads,
-            cache_dir: how the
-            models are loaded (see :func:`draftwise.load_model`); with ``weights="file"`` the llama.cpp rows run the
-            very GGUF file the target runs, else the file rewritten at the target's float width.
+            cache_dir: how the models are loaded (see :func:`draftwise.load_model`); with ``weights="file"`` the
+            llama.cpp rows run the very GGUF file the target runs, else the file rewritten at the target's float
+            width.
         budgets: draft budgets to sweep (``None``: each method at the engine's default).
         dataset, data, categories, per_category, seed_prompts: which prompts (see
             :func:`~draftwise.bench.prompts.load_dataset`); max_prompts: at most this many of them, the categories

@@ -321,7 +321,9 @@ class DraftModelDrafter(Drafter):
         activation_bits: what a quantised draft quantises its activations to (see :func:`draftwise.load_model`):
             8, the default, whatever the target takes, since a draft's precision moves its acceptance at most, never
             the output, and its steps cost about half of 16 bits' (Qwen2.5-Coder-0.5B's file on a Zen 5: 9.2 against
-            18.9 ms a step); or 16.
+            18.9 ms a step); or 16. A quantised draft keeps its own cache in float16 (the default beside quantised
+            weights, see :func:`draftwise.load_model`'s ``kv_cache_dtype``): like its precision, it moves acceptance
+            at most.
         cache_dir: where converted checkpoints are kept.
 
     ``model="self"`` drafts with the target's own model quantised (a target from :func:`draftwise.load_model`), by

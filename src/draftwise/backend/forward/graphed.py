@@ -178,7 +178,7 @@ class GraphedLeanTarget(LeanTarget):
 
     def new_cache(self, capacity: int) -> SpanCache:
         slot = self._free.pop() if self._free else _Slot(
-            len(self.layers), self.kv_heads, self.positions, self.head_dim, self.step_rows, self.dtype, self.device)
+            len(self.layers), self.kv_heads, self.positions, self.head_dim, self.step_rows, self.kv_dtype, self.device)
         cache = SpanCache(slot)
         weakref.finalize(cache, self._free.append, slot)  # a finished sequence's slot (and graph) serves the next
         return cache

@@ -213,15 +213,16 @@ class LeanTarget(Target):
         embedding: the token embedding's rows by id where ``model`` does not hold its table in float (a GGUF file's
             blocks, :func:`draftwise.backend.weights.gguf_file.file_embedding`).
         activation_bits: the precision block-quantised products on the compiled kernels take each row's activations
-            in: 16 (the default: within about 1e-4 of the float forward) or 8 (llama.cpp's: half the integer
-            multiplies); see :class:`~draftwise.backend.weights.quantized.QuantizedLinear`. Products dequantised per
-            call (GPUs) take float activations whatever this says (see :attr:`kernel_activation_bits`).
+            in: 16 (the default: within about 1e-4 of the float forward with a float32 cache) or 8 (llama.cpp's:
+            half the integer multiplies); see :class:`~draftwise.backend.weights.quantized.QuantizedLinear`. Products
+            dequantised per call (GPUs) take float activations whatever this says (see :attr:`kernel_activation_bits`).
         kv_cache_dtype: what the caches keep keys and values in (:attr:`kv_dtype`): ``None`` (the default) float16
             where block-quantised products run on the compiled kernels (float32 activations; llama.cpp's default
             cache too), the model's dtype otherwise; or a dtype (name): the model's, or float16 beside float32
             activations on the compiled kernels. Keys and values are rounded to it as the forward makes them, so a
             row's attention reads the same values from this forward's rows as from the cache: verification rows stay
-            bitwise plain decoding's.
+            bitwise plain decoding's. (float16 holds values up to 65504: a larger key or value turns infinite there,
+            as in llama.cpp's float16 cache.)
 
     A model built without its quantised weights (:func:`draftwise.backend.weights.gguf_file.file_model`: those
     matrices on the ``meta`` device, every one given by ``quantized``/``embedding``) runs on the CPU.
@@ -334,11 +335,15 @@ class LeanTarget(Target):
         half = self.head_dim // 2
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        #: The dtype the caches keep keys and values in (see ``kv_cache_dtype``).
-        self.kv_dtype = self._kv_dtype(kv_cache_dtype)
+        self._cache_dtype = self._cache_dtype_for(kv_cache_dtype)
         self.compiled_layers = self._compiled_layers()
 
-    def _kv_dtype(self, asked: torch.dtype | str | None) -> torch.dtype:
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the caches keep keys and values in (see ``kv_cache_dtype``)."""
+        return self._cache_dtype
+
+    def _cache_dtype_for(self, asked: torch.dtype | str | None) -> torch.dtype:
         """The caches' dtype for ``kv_cache_dtype`` (see the class notes); a clear error where it cannot run."""
         dtype = self.dtype
         half_beside_float32 = dtype == torch.float32 and self.kernel is not None
@@ -486,7 +491,8 @@ class LeanTarget(Target):
 
     def new_cache(self, capacity: int) -> LeanCache:
         return LeanCache(
-            len(self.layers), self.kv_heads, self.head_dim, self.block, capacity + self.block, self.kv_dtype, self.device
+            len(self.layers), self.kv_heads, self.head_dim, self.block, capacity + self.block, self.kv_dtype,
+            self.device,
         )
 
     def cache_length(self, cache: LeanCache) -> int:
@@ -696,8 +702,8 @@ class LeanTarget(Target):
         buffers = None
         if together.shared_blocks:
             size = (len(members), together.shared_blocks, self.kv_heads, self.block, self.head_dim)
-            buffers = (torch.zeros(size, dtype=self.dtype, device=self.device),
-                       torch.zeros(size, dtype=self.dtype, device=self.device))
+            buffers = (torch.zeros(size, dtype=self.kv_dtype, device=self.device),
+                       torch.zeros(size, dtype=self.kv_dtype, device=self.device))
 
         def compute(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
             return batch_block_attention(queries, [caches[index].keys[layer] for index in members],

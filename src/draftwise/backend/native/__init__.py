@@ -138,8 +138,10 @@ def ragged_attention(
 
     Args:
         query: ``(rows, heads, head_dim)``, scaled and rotated, contiguous.
-        new_keys, new_values: ``(rows, kv_heads, head_dim)``: this forward's rows' keys and values.
-        key_caches, value_caches: each sequence's whole cache, ``(layers, blocks, kv_heads, block, head_dim)``.
+        new_keys, new_values: ``(rows, kv_heads, head_dim)``: this forward's rows' keys and values, in the caches'
+            dtype.
+        key_caches, value_caches: each sequence's whole cache, ``(layers, blocks, kv_heads, block, head_dim)``, in
+            the query's dtype or in float16 beside a float32 query (widened exactly to float32 as they are read).
         layer: the layer whose cache is read.
         row_sequence: ``(rows,)`` int64, the sequence (index into the caches) of each row.
         row_committed: ``(rows,)`` int64, its sequence's committed positions (read from the cache).

@@ -52,6 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
     const at::Tensor& path_rows) const {
     const int64_t rows = hidden.size(0), dim = cos.size(1);
     const int64_t values_from = (heads_ + kv_heads_) * dim;
+    TORCH_CHECK(!key_caches.empty(), "one key and value cache per sequence");
     const auto kv_type = key_caches.front().scalar_type();
     std::vector<at::Tensor> keys, values;
     keys.reserve(size());

@@ -63,7 +63,7 @@ inline floats16 load16(const c10::BFloat16* source) {
 inline floats16 load16(const c10::Half* source) {
 #if defined(__AVX512F__)
     return (floats16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)));
-#elif defined(__F16C__)
+#elif defined(__AVX__) && defined(__F16C__)
     floats16 out;
     const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
     const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 8)));

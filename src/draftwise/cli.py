@@ -15,8 +15,8 @@ import torch
 from .bench.prompts import DATASETS
 from .decoding.batch import DEFAULT_MAX_PREFILL_ROWS
 from .errors import DraftwiseError, InvalidRequestError
-from .models import (ACTIVATION_BITS, DEFAULT_MODEL, KV_CACHE_DTYPES, PRESETS, WEIGHTS, default_cache_dir, install_preset,
-                     is_installed)
+from .models import (ACTIVATION_BITS, DEFAULT_MODEL, KV_CACHE_DTYPES, PRESETS, WEIGHTS, default_cache_dir,
+                     install_preset, is_installed)
 
 #: The rows of ``draftwise bench`` when no --methods are given.
 DEFAULT_BENCH_METHODS = "ar,pld,hf,hf-pld"
@@ -98,9 +98,8 @@ def _load(args: argparse.Namespace):
     weights = f", {quantization} weights" if quantization else ", float weights"
     if getattr(target, "kernel_activation_bits", None):
         weights += f" ({target.kernel_activation_bits}-bit activations)"
-    kv_dtype = getattr(target, "kv_dtype", target.dtype)
-    if kv_dtype != target.dtype:
-        weights += f", {str(kv_dtype).removeprefix('torch.')} cache"
+    if target.kv_dtype != target.dtype:
+        weights += f", {str(target.kv_dtype).removeprefix('torch.')} cache"
     print(f"draftwise: {args.model} in {str(target.dtype).removeprefix('torch.')}{weights} on {target.device} "
           f"({target.backend} forward)", file=sys.stderr)
     return target, tokenizer

@@ -28,7 +28,7 @@ from .backend.calibration.costs import cost_curves
 from .backend.calibration.invariance import plan_rows
 from .backend.calibration.machine import MeasurementStore, cache_root, resolve_dtype
 from .backend.forward.graphed import lean_target
-from .backend.forward.lean import KV_CACHE_DTYPES, LeanTarget, model_device, unsupported_reason
+from .backend.forward.lean import KV_CACHE_DTYPES, LeanTarget, model_device, named_kv_cache_dtype, unsupported_reason
 from .backend.target import Target, TransformersTarget
 from .backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
 from .backend.weights.quantized import ACTIVATION_BITS, check_activation_bits
@@ -576,8 +576,7 @@ def make_target(
                 options["quantization"] = weights
             target = lean_target(model, **options)
     else:
-        asked = getattr(torch, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else kv_cache_dtype
-        if kv_cache_dtype not in (None, "auto") and asked != model.dtype:
+        if named_kv_cache_dtype(kv_cache_dtype) not in (None, model.dtype):
             raise UnsupportedModelError(f"a {kv_cache_dtype} cache runs on the lean backend; the transformers "
                                         "backend keeps the model's dtype")
         if fast_linear and model.device.type == "cpu":
@@ -590,11 +589,10 @@ def make_target(
 
 def check_kv_cache_dtype(kv_cache_dtype: str | torch.dtype | None) -> None:
     """Refuse a ``kv_cache_dtype`` that names no cache dtype (``None`` and ``"auto"``: the model's default)."""
-    if isinstance(kv_cache_dtype, torch.dtype):
-        kv_cache_dtype = str(kv_cache_dtype).removeprefix("torch.")
-    if kv_cache_dtype is not None and kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ModelLoadError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use auto or one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+    try:
+        named_kv_cache_dtype(kv_cache_dtype)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def check_max_model_len(max_model_len: int | None) -> None:

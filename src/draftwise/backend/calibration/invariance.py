@@ -212,13 +212,13 @@ def model_shape(target: Any) -> dict[str, Any]:
         "attention": getattr(target, "attention_path", None),
         "linear": getattr(target, "linear_path", None),
         "activation_bits": getattr(target, "kernel_activation_bits", None),
-        # (a cache in another dtype than the activations': its own rounding and costs)
-        **({"kv_cache": str(target.kv_dtype)} if getattr(target, "kv_dtype", None) not in (None, target.dtype) else {}),
         # The compiled kernels' build (their sources, flags and the machine): new kernels are measured anew.
         "kernels": getattr(target, "kernels_build", None),
     }
     if getattr(target, "compiled", False):  # (a compiled GPU step rounds and costs apart from the eager one)
         shape["compiled"] = True
+    if target.kv_dtype != target.dtype:  # (a cache in another dtype than the activations': its own rounding and costs)
+        shape["kv_cache"] = str(target.kv_dtype)
     return shape
 
 

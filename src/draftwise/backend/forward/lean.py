@@ -62,6 +62,17 @@ FAMILIES = ("llama", "qwen2")
 BLOCK = 64
 #: The cache dtypes ``kv_cache_dtype`` names (besides ``"auto"``).
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def named_kv_cache_dtype(asked: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype a ``kv_cache_dtype`` asks for (a name or a dtype); ``None`` for ``None`` and ``"auto"`` (the
+    forward's choice, see :class:`LeanTarget`). Raises ValueError where it names no cache dtype."""
+    if asked is None or asked == "auto":
+        return None
+    name = str(asked).removeprefix("torch.") if isinstance(asked, torch.dtype) else asked
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto or one of {', '.join(KV_CACHE_DTYPES)}")
+    return getattr(torch, name)
 #: Most prompt rows in one forward of a prefill with the compiled kernels (within :data:`MAX_FORWARD_ROWS`, up to
 #: which products are checked to keep every row's bits).
 PREFILL_PIECE = 512
@@ -347,19 +358,17 @@ class LeanTarget(Target):
         """The caches' dtype for ``kv_cache_dtype`` (see the class notes); a clear error where it cannot run."""
         dtype = self.dtype
         half_beside_float32 = dtype == torch.float32 and self.kernel is not None
-        if asked is None or asked == "auto":
+        try:
+            named = named_kv_cache_dtype(asked)
+        except ValueError as error:
+            raise UnsupportedModelError(str(error)) from None
+        if named is None:
             quantized = any(isinstance(product, QuantizedLinear) for product in self.products)
             return torch.float16 if half_beside_float32 and quantized else dtype
-        if isinstance(asked, str):
-            named = getattr(torch, asked, None) if asked in KV_CACHE_DTYPES else None
-            if not isinstance(named, torch.dtype):
-                raise UnsupportedModelError(f"unknown kv_cache_dtype {asked!r}: use auto or one of "
-                                            f"{', '.join(KV_CACHE_DTYPES)}")
-            asked = named
-        if asked == dtype or (asked == torch.float16 and half_beside_float32):
-            return asked
+        if named == dtype or (named == torch.float16 and half_beside_float32):
+            return named
         raise UnsupportedModelError(
-            f"a {str(asked).removeprefix('torch.')} cache cannot run beside {str(dtype).removeprefix('torch.')} "
+            f"a {str(named).removeprefix('torch.')} cache cannot run beside {str(dtype).removeprefix('torch.')} "
             "activations here: keep the model's dtype (float16 runs beside float32 on the compiled CPU kernels)")
 
     def _check_quantization(self, quantization: str | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import CharTokenizer, make_tiny_model, planned
+from tiny import CharTokenizer, make_tiny_model, planned, torch_threads
 
 
 @pytest.fixture(autouse=True)
@@ -16,12 +16,8 @@ def _one_torch_thread(request):
     if request.node.get_closest_marker("slow") is not None:
         yield
         return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.fixture(params=[

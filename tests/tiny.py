@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import transformers
@@ -275,6 +276,17 @@ class FixedCosts(LatencyModel):
 
     def record(self, rows, seconds, sequences=1, tree=False):
         pass
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's CPU thread count set to ``count`` inside, put back on leaving."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def planned(model, folder, kernel: bool | None = None):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_tiny_model
+from tiny import make_tiny_model, torch_threads
 
 from draftwise.backend import native
 from draftwise.backend.forward.lean import LeanTarget
@@ -52,9 +52,7 @@ def test_every_row_is_bitwise_its_result_alone(threads, in_features, dtype):
     weight, offsets = weights(200, in_features, dtype=dtype)
     inputs = torch.randn(45, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
     packed = kernels.pack_blocked_weight(weight)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         together = kernels.blocked_linear(inputs, packed, offsets, 200)
         for rows in (1, 2, 5, 6, 7, 13, 16, 17, 31, 32, 33, 44):
             assert torch.equal(kernels.blocked_linear(inputs[:rows], packed, offsets, 200), together[:rows])
@@ -63,8 +61,6 @@ def test_every_row_is_bitwise_its_result_alone(threads, in_features, dtype):
         shuffled = inputs.clone()
         shuffled[1:] = shuffled[1:].flip(0)
         assert torch.equal(kernels.blocked_linear(shuffled, packed, offsets, 200)[0], together[0])
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:])

@@ -11,6 +11,7 @@ import torch
 
 from gguf_files import random_blocks
 from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
+from tiny import torch_threads
 
 from draftwise.backend import native
 from draftwise.backend.weights.quantized import (FACTORED, FILE_TYPES, HALF_FLOATS, QuantizedLinear, QuantizedMatrix,
@@ -131,15 +132,11 @@ def test_stacked_types_keep_every_value_and_every_row_alone(threads, bits):
     bias = torch.randn(350)
     linear = QuantizedLinear(stacked, bias, kernels, activation_bits=bits)
     inputs = torch.randn(21, 256, generator=torch.Generator().manual_seed(3))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         together = linear(inputs)
         assert torch.equal(together, reference_product(inputs, stacked, bias, bits))
         for count in (1, 2, 3, 5, 20):
             assert torch.equal(linear(inputs[:count]), together[:count])
-    finally:
-        torch.set_num_threads(previous)
 
 
 #: Real text for teacher-forced agreement: prose, code and a list.

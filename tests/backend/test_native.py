@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from equivalence import ar_token_ids, assert_same_ids_as_ar
-from tiny import make_tiny_model, planned, prefilled_caches, repetitive_prompt
+from tiny import make_tiny_model, planned, prefilled_caches, repetitive_prompt, torch_threads
 
 from draftwise.backend import native
 from draftwise.backend.forward.attention import ragged_layout
@@ -108,18 +108,15 @@ def test_kernel_matches_exact_attention(dtype, head_dim, group):
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 2), (80, 2)])
 def test_every_row_is_bitwise_its_result_alone(dtype, head_dim, group):
     """A row's output is the same bits whether it is alone, one of its sequence's tree or chain, or one row of a
-    batch of sequences; and whatever the thread count. (Odd and even cache lengths: bfloat16 values are weighted
-    two positions at a time, paired by parity.)"""
+    batch of sequences; and whatever the thread count (two, then one). (Odd and even cache lengths: bfloat16 values
+    are weighted two positions at a time, paired by parity.)"""
     lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0, 2 * BLOCK, 37, 16, 0]
     parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0), (-1, 0, 0, 1), LONG_CHAIN, WIDE_TREE, PREFILL]
     query, new_keys, new_values, keys, values = problem(dtype, head_dim, group, lengths, parents, seed=3)
-    together = run(query, new_keys, new_values, keys, values, 0, lengths, parents)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(2):
+        together = run(query, new_keys, new_values, keys, values, 0, lengths, parents)
+    with torch_threads(1):
         assert torch.equal(run(query, new_keys, new_values, keys, values, 0, lengths, parents), together)
-    finally:
-        torch.set_num_threads(threads)
     start = 0
     for sequence, (length, own) in enumerate(zip(lengths, parents)):
         paths: list[list[int]] = []
@@ -144,21 +141,18 @@ def test_float16_cache_beside_float32_queries_is_the_float32_kernel_on_its_value
     """A float16 cache (and this forward's keys and values in float16) beside float32 queries gives exactly the
     float32 kernel's output on the same keys and values widened to float32: the widening is exact and the arithmetic
     is the float32 kernel's. So its rows are bitwise plain decoding's as the float32 kernel's are; at any thread
-    count too."""
+    count too (two, then one)."""
     lengths = [BLOCK - 1, 3, 2 * BLOCK + 17, 0, 37, 16, 0]
     parents = [TREE, (-1, 0, 1, 2), (-1,), (-1, 0), LONG_CHAIN, WIDE_TREE, PREFILL]
     query, new_keys, new_values, keys, values = problem(torch.float16, head_dim, group, lengths, parents, seed=7)
     query = query.float() * 1.25  # (float32 queries: not float16 values)
-    mixed = run(query, new_keys, new_values, keys, values, 1, lengths, parents)
+    with torch_threads(2):
+        mixed = run(query, new_keys, new_values, keys, values, 1, lengths, parents)
     widened = run(query, new_keys.float(), new_values.float(), [k.float() for k in keys], [v.float() for v in values],
                   1, lengths, parents)
     assert mixed.dtype == torch.float32 and torch.equal(mixed, widened)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         assert torch.equal(run(query, new_keys, new_values, keys, values, 1, lengths, parents), mixed)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_kernels

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantized_reference import PRODUCT_TOLERANCE, reference_product, relative_error
+from tiny import torch_threads
 
 from draftwise.backend import native
 from draftwise.backend.weights.quantized import (CENTRE_SHIFT, HALF_FLOATS, KINDS, NIBBLES, SIGNED, QuantizedLinear,
@@ -100,9 +101,7 @@ def test_every_row_is_bitwise_its_result_alone(kind, threads, bits):
     blocks = quantize(matrix(200, 160), kind)
     linear = QuantizedLinear(decode(blocks, kind), torch.randn(200), kernels, activation_bits=bits)
     inputs = rows(45, 160)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         together = linear(inputs)
         for count in (1, 2, 3, 4, 5, 8, 13, 44):
             assert torch.equal(linear(inputs[:count]), together[:count])
@@ -112,8 +111,6 @@ def test_every_row_is_bitwise_its_result_alone(kind, threads, bits):
         shuffled[1:] = shuffled[1:].flip(0)
         assert torch.equal(linear(shuffled)[0], together[0])
         assert torch.equal(linear(inputs[:, :].T.contiguous().T[:3]), together[:3])  # strided rows
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

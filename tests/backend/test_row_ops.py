@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import torch_threads
 
 from draftwise.backend import native
 
@@ -83,9 +84,7 @@ def test_every_row_is_bitwise_its_result_alone(dtype, threads):
     gate_up = torch.randn(rows, 2 * width, generator=generator).to(dtype)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     cos, signed_sin = rope_tables(list(range(100, 100 + rows)), head_dim, dtype)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         norms = native.rms_norm(hidden, weight, 1e-6)
         gated = native.silu_mul(gate_up, rows)
         queries, keys = native.rotate_queries_keys(qkv, cos, signed_sin, rows, heads, kv_heads, 0.25)
@@ -100,8 +99,6 @@ def test_every_row_is_bitwise_its_result_alone(dtype, threads):
         shuffled = hidden.clone()
         shuffled[1:] = shuffled[1:].flip(0)
         assert torch.equal(native.rms_norm(shuffled, weight, 1e-6)[0], norms[0])
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_padding_rows_are_zero_and_only_the_given_rows_are_read():

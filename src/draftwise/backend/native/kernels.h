@@ -18,6 +18,23 @@ at::Tensor ragged_attention(
     const at::Tensor& path_rows);
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t min_rows);
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t rows, int64_t min_rows);
+// The same operations into the first rows of a given output (see row_ops.cpp): the layer loop's buffers.
+void ragged_attention_into(
+    const at::Tensor& query, const at::Tensor& new_keys, const at::Tensor& new_values,
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches, int64_t layer,
+    const at::Tensor& row_sequence, const at::Tensor& row_committed, const at::Tensor& path_offsets,
+    const at::Tensor& path_rows, const at::Tensor& output);
+void rms_norm_into(const at::Tensor& hidden, const at::Tensor& weight, double eps, const at::Tensor& out);
+void silu_mul_into(const at::Tensor& gate_up, int64_t rows, const at::Tensor& out);
+void rotate_queries_keys_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows,
+                              int64_t heads, int64_t kv_heads, double scale, const at::Tensor& queries,
+                              const at::Tensor& keys, const at::Tensor& values);
+void add_rows_into(const at::Tensor& hidden, const at::Tensor& delta, int64_t rows);
+void blocked_linear_into(const at::Tensor& inputs, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, const at::Tensor& output);
+void quantized_linear_into(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits,
+                           const at::Tensor& output);
 // Every layer's keys and values of rows ``first .. first + count - 1`` of ``keys`` and ``values`` (layers, rows,
 // kv_heads, head_dim) into block caches (layers, blocks, kv_heads, block, head_dim) at positions ``slot`` on.
 void write_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& keys,
@@ -57,7 +74,7 @@ class DecoderLayers {
     int64_t size() const { return static_cast<int64_t>(norms_.size() / 2); }
 
    private:
-    at::Tensor product(const at::Tensor& inputs, int64_t layer, int which, int64_t min_rows) const;
+    void product(const at::Tensor& inputs, int64_t layer, int which, const at::Tensor& output) const;
 
     std::vector<at::Tensor> norms_, weights_;
     std::vector<c10::optional<at::Tensor>> biases_;

@@ -1,14 +1,17 @@
 // The decoder layers of the lean forward in one call: the same kernels, in the same order, as the Python loop over
 // layers (draftwise.backend.forward.lean), without its per-operation dispatch. A forward is about ten kernel calls per layer;
 // from Python each also pays its argument conversion and the interpreter's own work: 0.3-0.4 ms of a 30-layer
-// SmolLM2 forward (4.3-4.6 ms for one row), whatever its row count.
+// SmolLM2 forward (4.3-4.6 ms for one row), whatever its row count. Each kind of intermediate has one buffer for all
+// layers, written in place (the kernels' ``*_into`` forms), and the residual stream is added to in place: a tensor
+// allocated and a torch operation dispatched per step of a layer (three hundred a forward) cost another 0.25 ms of a
+// SmolLM2 one-row forward (2.8 ms without the head, Zen 4).
 
 #include "kernels.h"
 
-#include <ATen/TensorOperators.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/stack.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace {
@@ -31,18 +34,15 @@ DecoderLayers::DecoderLayers(std::vector<at::Tensor> norms, std::vector<at::Tens
     TORCH_CHECK(out_features_.size() == kProducts, "out_features: one per product");
 }
 
-// A linear product with at least ``min_rows`` rows (zeros past the inputs'), the rows of ``inputs`` returned, as
-// draftwise.backend.weights.products.Linear computes it.
-at::Tensor DecoderLayers::product(const at::Tensor& inputs, int64_t layer, int which, int64_t min_rows) const {
-    const int64_t rows = inputs.size(0);
-    at::Tensor padded = inputs.stride(1) == 1 ? inputs : inputs.contiguous();
-    if (rows < min_rows) padded = at::cat({padded, padded.new_zeros({min_rows - rows, padded.size(1)})});
+// A linear product of every row of ``inputs`` into ``output``, as draftwise.backend.weights.products.Linear computes
+// it (the inputs already padded to the products' row count).
+void DecoderLayers::product(const at::Tensor& inputs, int64_t layer, int which, const at::Tensor& output) const {
     const size_t index = kProducts * layer + which;
-    auto output = formats_[index] < 0
-                      ? blocked_linear(padded, weights_[index], biases_[index], out_features_[which])
-                      : quantized_linear(padded, weights_[index], formats_[index], biases_[index], out_features_[which],
-                                         activation_bits_);
-    return rows < min_rows ? output.narrow(0, 0, rows) : output;
+    if (formats_[index] < 0)
+        blocked_linear_into(inputs, weights_[index], biases_[index], out_features_[which], output);
+    else
+        quantized_linear_into(inputs, weights_[index], formats_[index], biases_[index], out_features_[which],
+                              activation_bits_, output);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
@@ -50,29 +50,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
     const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
     const at::Tensor& row_sequence, const at::Tensor& row_committed, const at::Tensor& path_offsets,
     const at::Tensor& path_rows) const {
-    const int64_t rows = hidden.size(0), dim = cos.size(1);
-    const int64_t values_from = (heads_ + kv_heads_) * dim;
+    TORCH_CHECK(hidden.dim() == 2, "hidden: (rows, dim)");
     TORCH_CHECK(!key_caches.empty(), "one key and value cache per sequence");
-    const auto kv_type = key_caches.front().scalar_type();
-    std::vector<at::Tensor> keys, values;
-    keys.reserve(size());
-    values.reserve(size());
+    const int64_t rows = hidden.size(0), width = hidden.size(1), dim = cos.size(1);
+    const int64_t padded = std::max(rows, min_rows);  // the products' row count
+    const auto options = hidden.options();
+    // One buffer per intermediate, reused by every layer. The products' inputs have ``padded`` rows, those past
+    // ``rows`` zero: the kernels write only the first ``rows`` rows, so zeroed once they stay zero.
+    auto padded_buffer = [&](int64_t columns) {
+        return padded > rows ? at::zeros({padded, columns}, options) : at::empty({padded, columns}, options);
+    };
+    auto normed = padded_buffer(width);
+    auto attended = padded_buffer(heads_ * dim);
+    auto gated = padded_buffer(out_features_[kGateUp] / 2);
+    auto qkv = at::empty({padded, out_features_[kQkv]}, options);
+    auto gate_up = at::empty({padded, out_features_[kGateUp]}, options);
+    auto projected = at::empty({padded, width}, options);  // the output and down products'
+    auto queries = at::empty({rows, heads_, dim}, options);
+    // Every layer's keys and values in the caches' dtype (a float16 cache: this forward's rows rounded as it keeps
+    // them, before any row attends to them).
+    const auto kv_options = options.dtype(key_caches.front().scalar_type());
+    auto keys = at::empty({size(), rows, kv_heads_, dim}, kv_options);
+    auto values = at::empty({size(), rows, kv_heads_, dim}, kv_options);
+    hidden = hidden.clone(at::MemoryFormat::Contiguous);  // the residual stream, added to in place
     for (int64_t layer = 0; layer < size(); ++layer) {
-        auto qkv = product(rms_norm(hidden, norms_[2 * layer], eps_, min_rows), layer, kQkv, min_rows);
-        auto [layer_queries, layer_keys] = rotate_queries_keys(qkv, cos, signed_sin, rows, heads_, kv_heads_, scale_);
-        auto layer_values = qkv.narrow(0, 0, rows).narrow(1, values_from, kv_heads_ * dim).view({rows, kv_heads_, dim});
-        if (layer_keys.scalar_type() != kv_type) {  // (a float16 cache: this forward's rows rounded as it keeps them)
-            layer_keys = layer_keys.to(kv_type);
-            layer_values = layer_values.to(kv_type);
-        }
-        auto attended = ragged_attention(layer_queries, layer_keys, layer_values, key_caches, value_caches, layer,
-                                         row_sequence, row_committed, path_offsets, path_rows);
-        hidden = hidden + product(attended, layer, kOutput, min_rows);
-        auto gate_up = product(rms_norm(hidden, norms_[2 * layer + 1], eps_, min_rows), layer, kGateUp, min_rows);
-        auto down = product(silu_mul(gate_up, rows, min_rows), layer, kDown, min_rows);
-        hidden = hidden + (down.size(0) > rows ? down.narrow(0, 0, rows) : down);
-        keys.push_back(std::move(layer_keys));
-        values.push_back(std::move(layer_values));
+        const auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
+        rms_norm_into(hidden, norms_[2 * layer], eps_, normed);
+        product(normed, layer, kQkv, qkv);
+        rotate_queries_keys_into(qkv, cos, signed_sin, rows, heads_, kv_heads_, scale_, queries, layer_keys,
+                                 layer_values);
+        ragged_attention_into(queries, layer_keys, layer_values, key_caches, value_caches, layer, row_sequence,
+                              row_committed, path_offsets, path_rows, attended);
+        product(attended, layer, kOutput, projected);
+        add_rows_into(hidden, projected, rows);
+        rms_norm_into(hidden, norms_[2 * layer + 1], eps_, normed);
+        product(normed, layer, kGateUp, gate_up);
+        silu_mul_into(gate_up, rows, gated);
+        product(gated, layer, kDown, projected);
+        add_rows_into(hidden, projected, rows);
     }
-    return {hidden, at::stack(keys), at::stack(values)};
+    return {hidden, keys, values};
 }

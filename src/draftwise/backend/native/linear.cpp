@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t kBlock = 16;  // outputs per block: one register of float32 sums
@@ -440,6 +442,15 @@ at::Tensor pack_blocked_weight(const at::Tensor& weight) {
 // empty. Returns (rows, N).
 at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+    TORCH_CHECK(inputs.dim() == 2, "inputs: (rows, in) in the weights' dtype, rows contiguous");
+    auto output = at::empty({inputs.size(0), out_features}, inputs.options());
+    blocked_linear_into(inputs, packed, bias, out_features, output);
+    return output;
+}
+
+// As blocked_linear, into the first rows of ``output`` (contiguous, (>= rows, N), the inputs' dtype).
+void blocked_linear_into(const at::Tensor& inputs, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, const at::Tensor& output) {
     const auto dtype = packed.scalar_type();
     TORCH_CHECK(runs(dtype), "blocked_linear does not run ", dtype, " on this machine");
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == dtype && inputs.stride(1) == 1,
@@ -455,7 +466,9 @@ at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
         TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                         bias->scalar_type() == dtype,
                     "bias: (out,) in the weights' dtype");
-    auto output = at::empty({rows, out_features}, inputs.options());
+    TORCH_CHECK(output.dim() == 2 && output.is_contiguous() && output.size(0) >= rows && output.size(1) == out_features &&
+                    output.scalar_type() == dtype,
+                "output: contiguous (rows, out_features) in the weights' dtype");
 #if defined(__AVX512F__)
     const bool chunked = rows > 1 && rows <= kMostChunkedRows;
     if (dtype == at::kFloat) {
@@ -482,5 +495,4 @@ at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
                                       raw(output), out_features);
     }
 #endif
-    return output;
 }

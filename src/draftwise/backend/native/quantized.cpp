@@ -1176,6 +1176,15 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
 
 at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
                             const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
+    TORCH_CHECK(inputs.dim() == 2, "inputs: (rows, in) float32, rows contiguous");
+    auto output = at::empty({inputs.size(0), out_features}, inputs.options());
+    quantized_linear_into(inputs, packed, format, bias, out_features, activation_bits, output);
+    return output;
+}
+
+void quantized_linear_into(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits,
+                           const at::Tensor& output) {
     namespace qp = quantized_products;
     TORCH_CHECK(qp::valid_format(format), "format: the packing's format bits and centre");
     TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits: 8 or 16");
@@ -1194,8 +1203,14 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
         TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                         bias->scalar_type() == at::kFloat,
                     "bias: (out,) float32");
-    auto output = at::empty({rows, out_features}, inputs.options());
-    if (rows == 0 || groups == 0) return output.zero_();
+    TORCH_CHECK(output.dim() == 2 && output.is_contiguous() && output.size(0) >= rows && output.size(1) == out_features &&
+                    output.scalar_type() == at::kFloat,
+                "output: contiguous (rows, out_features) float32");
+    if (rows == 0) return;
+    if (groups == 0) {
+        output.narrow(0, 0, rows).zero_();
+        return;
+    }
 #if defined(__AVX2__)
     const bool wide = !qp::kDotInstruction && activation_bits == 16 && (format & qp::kSigned) &&
                       rows >= qp::kWideFromRows;
@@ -1230,7 +1245,7 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
                                 out_features, std::min<int64_t>(qp::kTile, out_features - column), scratch);
                 }
             });
-            return output;
+            return;
         }
     }
 #endif
@@ -1251,5 +1266,4 @@ at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, 
 #endif
         }
     });
-    return output;
 }

@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
 #include "vectors.h"
 
 namespace {
@@ -969,6 +970,19 @@ at::Tensor ragged_attention(
     const at::Tensor& row_sequence, const at::Tensor& row_committed, const at::Tensor& path_offsets,
     const at::Tensor& path_rows) {
     TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query: contiguous (rows, heads, dim)");
+    auto output = at::empty({query.size(0), query.size(1) * query.size(2)}, query.options());
+    ragged_attention_into(query, new_keys, new_values, key_caches, value_caches, layer, row_sequence, row_committed,
+                          path_offsets, path_rows, output);
+    return output;
+}
+
+// As ragged_attention, into the first rows of ``output`` (contiguous, (>= rows, heads * dim), the query's dtype).
+void ragged_attention_into(
+    const at::Tensor& query, const at::Tensor& new_keys, const at::Tensor& new_values,
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches, int64_t layer,
+    const at::Tensor& row_sequence, const at::Tensor& row_committed, const at::Tensor& path_offsets,
+    const at::Tensor& path_rows, const at::Tensor& output) {
+    TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query: contiguous (rows, heads, dim)");
     // New keys and values may be column slices of a wider projection (rows apart by any stride).
     for (const auto* fresh : {&new_keys, &new_values})
         TORCH_CHECK(fresh->dim() == 3 && fresh->stride(2) == 1 && fresh->stride(1) == fresh->size(2),
@@ -1001,7 +1015,9 @@ at::Tensor ragged_attention(
     const int64_t* committed_of = row_committed.data_ptr<int64_t>();
     const int64_t* offsets = path_offsets.data_ptr<int64_t>();
     const int64_t* paths = path_rows.data_ptr<int64_t>();
-    auto output = at::empty({rows, heads * dim}, query.options());
+    TORCH_CHECK(output.dim() == 2 && output.is_contiguous() && output.size(0) >= rows &&
+                    output.size(1) == heads * dim && output.scalar_type() == query.scalar_type(),
+                "output: contiguous (rows, heads * dim) in the query's dtype");
 
     auto run = [&](auto query_zero, auto kv_zero) {
         using query_t = decltype(query_zero);
@@ -1085,5 +1101,4 @@ at::Tensor ragged_attention(
     };
     if (half_kv) run(float{}, c10::Half{});
     else dispatch(query, [&](auto zero) { run(zero, zero); });
-    return output;
 }

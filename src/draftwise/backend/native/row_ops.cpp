@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
+#include "kernels.h"
 #include "vectors.h"
 
 namespace {
@@ -79,10 +81,11 @@ void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t width, scala
 }
 
 // One head vector rotated: out[i] = x[i] cos[i] + x[(i + half) mod dim] signed_sin[i] (signed_sin's first half
-// negated: rotate_half's sign), times ``scale``, in float32, rounded once.
-template <typename scalar_t>
+// negated: rotate_half's sign), times ``scale``, in float32, rounded once to ``out``'s dtype (x's, or a float16 cache's
+// beside float32 rows: the same value rounded on as a torch conversion of the float32 result would).
+template <typename scalar_t, typename out_t>
 inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* signed_sin, int64_t dim, float scale,
-                        scalar_t* out) {
+                        out_t* out) {
     const int64_t half = dim / 2;
     if (half % kLanes == 0) {
         // Whole chunks: a chunk's partners are the chunk half a vector away (the same operations, lane by lane).
@@ -91,14 +94,15 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
             const floats16 partner = load16(x + (c + shift) % chunks * kLanes);
             const floats16 value = load16(x + c * kLanes) * load16(cos + c * kLanes) +
                                    partner * load16(signed_sin + c * kLanes);
-            store_lanes(out + c * kLanes, value * scale, kLanes);
+            if constexpr (std::is_same_v<scalar_t, out_t>) store_lanes(out + c * kLanes, value * scale, kLanes);
+            else store_lanes(out + c * kLanes, rounded<scalar_t>(value * scale), kLanes);
         }
         return;
     }
     for (int64_t i = 0; i < dim; ++i) {
         const float partner = static_cast<float>(x[i < half ? i + half : i - half]);
         const float value = static_cast<float>(x[i]) * static_cast<float>(cos[i]) + partner * static_cast<float>(signed_sin[i]);
-        out[i] = static_cast<scalar_t>(value * scale);
+        out[i] = static_cast<out_t>(static_cast<float>(static_cast<scalar_t>(value * scale)));
     }
 }
 
@@ -111,55 +115,83 @@ at::Tensor padded_output(int64_t rows, int64_t min_rows, int64_t width, const at
     return min_rows > rows ? at::zeros({min_rows, width}, options) : at::empty({rows, width}, options);
 }
 
+// ``out`` as a row-wise kernel's output: contiguous, at least ``rows`` rows of ``width``, in ``dtype``.
+void check_output(const at::Tensor& out, int64_t rows, int64_t width, at::ScalarType dtype) {
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) >= rows && out.size(1) == width &&
+                    out.scalar_type() == dtype,
+                "out: contiguous (rows, ", width, ") in the inputs' dtype");
+}
+
 }  // namespace
 
-// hidden: (rows, dim); weight: (dim,). Returns (max(rows, min_rows), dim), the extra rows zero.
-at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t min_rows) {
+// The ``*_into`` forms write their first ``rows`` rows into a given output (contiguous, at least that many rows, its
+// other rows left as they are) instead of a new tensor: the compiled layer loop reuses one buffer per kind of
+// intermediate over every layer, where an allocation per operation cost more than a small model's row-wise kernels.
+
+// hidden: (rows, dim); weight: (dim,); out: (>= rows, dim) in hidden's dtype.
+void rms_norm_into(const at::Tensor& hidden, const at::Tensor& weight, double eps, const at::Tensor& out) {
     check_rows(hidden, "hidden");
     const int64_t rows = hidden.size(0), dim = hidden.size(1);
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight: (dim,)");
     TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight in the hidden states' dtype");
-    auto output = padded_output(rows, min_rows, dim, hidden.options());
+    check_output(out, rows, dim, hidden.scalar_type());
     dispatch(hidden, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = hidden.data_ptr<scalar_t>();
         const scalar_t* gains = weight.data_ptr<scalar_t>();
-        scalar_t* out = output.data_ptr<scalar_t>();
+        scalar_t* normed = out.data_ptr<scalar_t>();
         const int64_t stride = hidden.stride(0);
         at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
             for (int64_t row = begin; row < end; ++row)
-                rms_norm_row(in + row * stride, gains, dim, static_cast<float>(eps), out + row * dim);
+                rms_norm_row(in + row * stride, gains, dim, static_cast<float>(eps), normed + row * dim);
         });
     });
+}
+
+// hidden: (rows, dim); weight: (dim,). Returns (max(rows, min_rows), dim), the extra rows zero.
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t min_rows) {
+    check_rows(hidden, "hidden");
+    auto output = padded_output(hidden.size(0), min_rows, hidden.size(1), hidden.options());
+    rms_norm_into(hidden, weight, eps, output);
     return output;
+}
+
+// gate_up: (>= rows, 2 * width), the gate's columns first; out: (>= rows, width) in gate_up's dtype.
+void silu_mul_into(const at::Tensor& gate_up, int64_t rows, const at::Tensor& out) {
+    check_rows(gate_up, "gate_up");
+    TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
+    TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
+    const int64_t width = gate_up.size(1) / 2;
+    check_output(out, rows, width, gate_up.scalar_type());
+    dispatch(gate_up, [&](auto zero) {
+        using scalar_t = decltype(zero);
+        const scalar_t* in = gate_up.data_ptr<scalar_t>();
+        scalar_t* gated = out.data_ptr<scalar_t>();
+        const int64_t stride = gate_up.stride(0);
+        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row)
+                silu_mul_row(in + row * stride, in + row * stride + width, width, gated + row * width);
+        });
+    });
 }
 
 // gate_up: (rows, 2 * width), the gate's columns first. Returns silu(gate) * up, (max(rows, min_rows), width).
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t rows, int64_t min_rows) {
     check_rows(gate_up, "gate_up");
-    TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
     TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
-    const int64_t width = gate_up.size(1) / 2;
-    auto output = padded_output(rows, min_rows, width, gate_up.options());
-    dispatch(gate_up, [&](auto zero) {
-        using scalar_t = decltype(zero);
-        const scalar_t* in = gate_up.data_ptr<scalar_t>();
-        scalar_t* out = output.data_ptr<scalar_t>();
-        const int64_t stride = gate_up.stride(0);
-        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-            for (int64_t row = begin; row < end; ++row)
-                silu_mul_row(in + row * stride, in + row * stride + width, width, out + row * width);
-        });
-    });
+    auto output = padded_output(rows, min_rows, gate_up.size(1) / 2, gate_up.options());
+    silu_mul_into(gate_up, rows, output);
     return output;
 }
 
 // qkv: (rows, (heads + 2 kv_heads) dim), the rows' fused projections (only the first ``rows`` are read); cos,
-// signed_sin: (rows, dim), each row's position's. Returns the rotated queries times ``scale``, (rows, heads, dim),
-// and the rotated keys, (rows, kv_heads, dim); the values stay in qkv.
-std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
-    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows, int64_t heads,
-    int64_t kv_heads, double scale) {
+// signed_sin: (rows, dim), each row's position's. Writes the rotated queries times ``scale`` into ``queries``
+// (>= rows, heads, dim; qkv's dtype), the rotated keys into ``keys`` and, unless undefined, the values into
+// ``values`` (each (>= rows, kv_heads, dim), in qkv's dtype or, beside float32 rows, float16: each rounded as a torch
+// conversion of the float32 result rounds it).
+void rotate_queries_keys_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows,
+                              int64_t heads, int64_t kv_heads, double scale, const at::Tensor& queries,
+                              const at::Tensor& keys, const at::Tensor& values) {
     check_rows(qkv, "qkv");
     TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == signed_sin.sizes(),
                 "cos, signed_sin: contiguous (rows, dim)");
@@ -168,16 +200,27 @@ std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
     TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: (rows, (heads + 2 kv_heads) dim)");
     TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && signed_sin.scalar_type() == qkv.scalar_type(),
                 "cos and sin in qkv's dtype");
-    auto queries = at::empty({rows, heads, dim}, qkv.options());
-    auto keys = at::empty({rows, kv_heads, dim}, qkv.options());
-    dispatch(qkv, [&](auto zero) {
+    TORCH_CHECK(queries.is_contiguous() && queries.numel() >= rows * heads * dim &&
+                    queries.scalar_type() == qkv.scalar_type(),
+                "queries: contiguous, (rows, heads, dim) in qkv's dtype");
+    const auto kv_type = keys.scalar_type();
+    TORCH_CHECK(kv_type == qkv.scalar_type() || (kv_type == at::kHalf && qkv.scalar_type() == at::kFloat),
+                "keys and values in qkv's dtype, or float16 beside float32 rows");
+    for (const at::Tensor* fresh : {&keys, &values})
+        TORCH_CHECK((!fresh->defined() && fresh == &values) ||
+                        (fresh->is_contiguous() && fresh->numel() >= rows * kv_heads * dim &&
+                         fresh->scalar_type() == kv_type),
+                    "keys, values: contiguous, (rows, kv_heads, dim), one dtype");
+    auto run = [&](auto zero, auto kv_zero) {
         using scalar_t = decltype(zero);
+        using kv_t = decltype(kv_zero);
         const scalar_t* in = qkv.data_ptr<scalar_t>();
         const scalar_t* cosines = cos.data_ptr<scalar_t>();
         const scalar_t* sines = signed_sin.data_ptr<scalar_t>();
         scalar_t* query_out = queries.data_ptr<scalar_t>();
-        scalar_t* key_out = keys.data_ptr<scalar_t>();
-        const int64_t stride = qkv.stride(0);
+        kv_t* key_out = keys.data_ptr<kv_t>();
+        kv_t* value_out = values.defined() ? values.data_ptr<kv_t>() : nullptr;
+        const int64_t stride = qkv.stride(0), kv_width = kv_heads * dim;
         at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
             for (int64_t row = begin; row < end; ++row) {
                 const scalar_t* source = in + row * stride;
@@ -188,11 +231,56 @@ std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
                                 query_out + (row * heads + head) * dim);
                 for (int64_t head = 0; head < kv_heads; ++head)
                     rotate_head(source + (heads + head) * dim, row_cos, row_sin, dim, 1.0f,
-                                key_out + (row * kv_heads + head) * dim);
+                                key_out + row * kv_width + head * dim);
+                const scalar_t* row_values = source + (heads + kv_heads) * dim;
+                if (value_out == nullptr) continue;
+                if constexpr (std::is_same_v<scalar_t, kv_t>) {
+                    std::memcpy(value_out + row * kv_width, row_values, kv_width * sizeof(kv_t));
+                } else {
+                    for (int64_t i = 0; i < kv_width; ++i)
+                        value_out[row * kv_width + i] = static_cast<kv_t>(static_cast<float>(row_values[i]));
+                }
             }
         });
-    });
+    };
+    if (kv_type == qkv.scalar_type()) dispatch(qkv, [&](auto zero) { run(zero, zero); });
+    else run(float{}, c10::Half{});
+}
+
+// As rotate_queries_keys_into; returns the queries (rows, heads, dim) and keys (rows, kv_heads, dim) in qkv's dtype
+// (the values stay in qkv).
+std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows, int64_t heads,
+    int64_t kv_heads, double scale) {
+    TORCH_CHECK(cos.dim() == 2, "cos, signed_sin: contiguous (rows, dim)");
+    const int64_t dim = cos.size(1);
+    auto queries = at::empty({rows, heads, dim}, qkv.options());
+    auto keys = at::empty({rows, kv_heads, dim}, qkv.options());
+    rotate_queries_keys_into(qkv, cos, signed_sin, rows, heads, kv_heads, scale, queries, keys, at::Tensor());
     return {queries, keys};
+}
+
+// hidden (>= rows, dim) += delta's first ``rows`` rows, element by element in hidden's dtype (as torch's addition:
+// float32 sums, rounded to bfloat16 or float16 once).
+void add_rows_into(const at::Tensor& hidden, const at::Tensor& delta, int64_t rows) {
+    check_rows(delta, "delta");
+    const int64_t dim = delta.size(1);
+    TORCH_CHECK(rows <= delta.size(0), "rows: at most delta's");
+    check_output(hidden, rows, dim, delta.scalar_type());
+    dispatch(delta, [&](auto zero) {
+        using scalar_t = decltype(zero);
+        scalar_t* sums = hidden.data_ptr<scalar_t>();
+        const scalar_t* in = delta.data_ptr<scalar_t>();
+        const int64_t stride = delta.stride(0);
+        for (int64_t row = 0; row < rows; ++row)
+            for (int64_t i = 0; i < dim; i += kLanes) {
+                const int64_t count = std::min<int64_t>(kLanes, dim - i);
+                const floats16 sum = count == kLanes ? load16(sums + row * dim + i) + load16(in + row * stride + i)
+                                                     : load_partial(sums + row * dim + i, count) +
+                                                           load_partial(in + row * stride + i, count);
+                store_lanes(sums + row * dim + i, sum, count);
+            }
+    });
 }
 
 void write_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& keys,

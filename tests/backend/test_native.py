@@ -250,10 +250,12 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
 @pytest.mark.parametrize(("dtype", "weights", "bits"), [(torch.float32, None, 8), (torch.bfloat16, None, 8),
                                                         (torch.float32, "q4_0", 8), (torch.float32, "q4_0", 16)])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, kind, tmp_path):
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, kind, padded, tmp_path):
     """The decoder layers as one compiled call give the logits and the cache contents of the Python loop over the
     same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections;
-    q4_0: the quantised products, beside a float16 cache)."""
+    q4_0: the quantised products, beside a float16 cache; ``padded``: products padded to 5 rows, so that forwards of
+    fewer rows run on zero rows the loop's reused buffers keep)."""
     from draftwise.backend.calibration.invariance import plan_rows
     from draftwise.backend.calibration.machine import MeasurementStore
     from draftwise.backend.forward.lean import LeanTarget
@@ -267,6 +269,8 @@ def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, ki
         plan_rows(target, MeasurementStore(tmp_path))
     if target.compiled_layers is None:
         pytest.skip(f"the blocked products do not run {dtype} on this CPU")
+    if padded:
+        target.set_row_plan(max(5, target.linear_min_rows), target.attention_min_rows)
     assert len(target.compiled_layers) == model.config.num_hidden_layers
     rng = random.Random(3)
     prompts = [repetitive_prompt(rng, low=10, high=140) for _ in range(3)]

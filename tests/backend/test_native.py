@@ -246,12 +246,21 @@ def test_batched_trees_on_the_kernel_are_bitwise_alone(dtype, tmp_path):
     assert_same_ids_as_ar(target, None, prompts, "pld", max_new_tokens=30, max_batch=5)
 
 
+#: Tiny shapes beside the default one (head_dim 8, hidden 32): head_dim 64, whose rotation runs in whole vectors (as
+#: real models'), and a hidden width that is not a multiple of sixteen lanes.
+HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+ODD_WIDTH = dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=1)
+
+
 @needs_kernels
-@pytest.mark.parametrize(("dtype", "weights", "bits"), [(torch.float32, None, 8), (torch.bfloat16, None, 8),
-                                                        (torch.float32, "q4_0", 8), (torch.float32, "q4_0", 16)])
+@pytest.mark.parametrize(("dtype", "weights", "bits", "shape"), [
+    (torch.float32, None, 8, {}), (torch.bfloat16, None, 8, {}), (torch.float32, "q4_0", 8, {}),
+    (torch.float32, "q4_0", 16, {}), (torch.float32, "q4_0", 16, HEAD_DIM_64), (torch.float32, None, 8, HEAD_DIM_64),
+    (torch.bfloat16, None, 8, HEAD_DIM_64), (torch.float32, None, 8, ODD_WIDTH),
+])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, kind, padded, tmp_path):
+def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, shape, kind, padded, tmp_path):
     """The decoder layers as one compiled call give the logits and the cache contents of the Python loop over the
     same kernels, bit for bit, for lone rows, chains and trees of several sequences (qwen2: biased projections;
     q4_0: the quantised products, beside a float16 cache; ``padded``: products padded to 5 rows, so that forwards of
@@ -260,7 +269,7 @@ def test_compiled_layer_loop_is_bitwise_the_python_loop(dtype, weights, bits, ki
     from draftwise.backend.calibration.machine import MeasurementStore
     from draftwise.backend.forward.lean import LeanTarget
 
-    model = make_tiny_model(kind, seed=1).to(dtype)
+    model = make_tiny_model(kind, seed=1, **shape).to(dtype)
     if weights is None:
         target = planned(model, tmp_path)
     else:

@@ -9,7 +9,6 @@
 #include "kernels.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <utility>
@@ -57,12 +56,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DecoderLayers::run(
     const auto options = hidden.options();
     // One buffer per intermediate, reused by every layer. The products' inputs have ``padded`` rows, those past
     // ``rows`` zero: the kernels write only the first ``rows`` rows, so zeroed once they stay zero.
-    auto padded_buffer = [&](int64_t columns) {
-        return padded > rows ? at::zeros({padded, columns}, options) : at::empty({padded, columns}, options);
-    };
-    auto normed = padded_buffer(width);
-    auto attended = padded_buffer(heads_ * dim);
-    auto gated = padded_buffer(out_features_[kGateUp] / 2);
+    auto normed = padded_output(rows, padded, width, options);
+    auto attended = padded_output(rows, padded, heads_ * dim, options);
+    auto gated = padded_output(rows, padded, out_features_[kGateUp] / 2, options);
     auto qkv = at::empty({padded, out_features_[kQkv]}, options);
     auto gate_up = at::empty({padded, out_features_[kGateUp]}, options);
     auto projected = at::empty({padded, width}, options);  // the output and down products'

@@ -438,19 +438,11 @@ at::Tensor pack_blocked_weight(const at::Tensor& weight) {
     return padded.view({tiles, kWidth, in / per_step, per_step}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// inputs: (rows, K) in the packing's dtype, unit column stride; packed: from pack_blocked_weight; bias: (N,) or
-// empty. Returns (rows, N).
-at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
-                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
-    TORCH_CHECK(inputs.dim() == 2, "inputs: (rows, in) in the weights' dtype, rows contiguous");
-    auto output = at::empty({inputs.size(0), out_features}, inputs.options());
-    blocked_linear_into(inputs, packed, bias, out_features, output);
-    return output;
-}
+namespace {
 
-// As blocked_linear, into the first rows of ``output`` (contiguous, (>= rows, N), the inputs' dtype).
-void blocked_linear_into(const at::Tensor& inputs, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features, const at::Tensor& output) {
+// The checks of a product's arguments (before its output is allocated).
+void check_blocked_product(const at::Tensor& inputs, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features) {
     const auto dtype = packed.scalar_type();
     TORCH_CHECK(runs(dtype), "blocked_linear does not run ", dtype, " on this machine");
     TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == dtype && inputs.stride(1) == 1,
@@ -458,17 +450,34 @@ void blocked_linear_into(const at::Tensor& inputs, const at::Tensor& packed, con
     const int64_t per_step = inputs_per_step(dtype);
     TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kWidth && packed.size(3) == per_step,
                 "packed: from pack_blocked_weight");
-    const int64_t rows = inputs.size(0), in = inputs.size(1), tiles = packed.size(0), steps = packed.size(1);
-    TORCH_CHECK(steps * per_step == in, "inputs: ", steps * per_step, " features");
+    const int64_t tiles = packed.size(0);
+    TORCH_CHECK(packed.size(1) * per_step == inputs.size(1), "inputs: ", packed.size(1) * per_step, " features");
     TORCH_CHECK(out_features > (tiles - 1) * kWidth && out_features <= tiles * kWidth, "out_features: the packing's");
-    const bool biased = bias.has_value() && bias->defined();
-    if (biased)
+    if (bias.has_value() && bias->defined())
         TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                         bias->scalar_type() == dtype,
                     "bias: (out,) in the weights' dtype");
-    TORCH_CHECK(output.dim() == 2 && output.is_contiguous() && output.size(0) >= rows && output.size(1) == out_features &&
-                    output.scalar_type() == dtype,
-                "output: contiguous (rows, out_features) in the weights' dtype");
+}
+
+}  // namespace
+
+// inputs: (rows, K) in the packing's dtype, unit column stride; packed: from pack_blocked_weight; bias: (N,) or
+// empty. Returns (rows, N).
+at::Tensor blocked_linear(const at::Tensor& inputs, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
+    check_blocked_product(inputs, packed, bias, out_features);
+    auto output = at::empty({inputs.size(0), out_features}, inputs.options());
+    blocked_linear_into(inputs, packed, bias, out_features, output);
+    return output;
+}
+
+void blocked_linear_into(const at::Tensor& inputs, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, const at::Tensor& output) {
+    check_blocked_product(inputs, packed, bias, out_features);
+    const auto dtype = packed.scalar_type();
+    const int64_t rows = inputs.size(0), in = inputs.size(1), tiles = packed.size(0), steps = packed.size(1);
+    const bool biased = bias.has_value() && bias->defined();
+    check_output_rows(output, rows, out_features, dtype, "output");
 #if defined(__AVX512F__)
     const bool chunked = rows > 1 && rows <= kMostChunkedRows;
     if (dtype == at::kFloat) {

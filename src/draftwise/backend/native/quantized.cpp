@@ -1174,9 +1174,36 @@ void tile_all_rows_scalar(const uint8_t* tile, int64_t groups, int64_t format, c
 
 }  // namespace quantized_products
 
+namespace {
+
+// The checks of a product's arguments (before its output is allocated); returns the inputs' groups of 32.
+int64_t check_quantized_product(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
+                                const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
+    namespace qp = quantized_products;
+    TORCH_CHECK(qp::valid_format(format), "format: the packing's format bits and centre");
+    TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits: 8 or 16");
+    TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat && inputs.stride(1) == 1,
+                "inputs: (rows, in) float32, rows contiguous");
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.size(2) == qp::unit_bytes(format),
+                "packed: (tiles, units, bytes) uint8 from the packing of this format");
+    const int64_t tiles = packed.size(0);
+    const int64_t groups = packed.size(1) * (format & qp::kFactored ? qp::kSuperGroups : 1);
+    TORCH_CHECK(inputs.size(1) == groups * qp::kGroup, "inputs: ", groups * qp::kGroup, " features");
+    TORCH_CHECK(out_features > (tiles - 1) * qp::kTile && out_features <= tiles * qp::kTile,
+                "out_features: the packing's");
+    if (bias.has_value() && bias->defined())
+        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kFloat,
+                    "bias: (out,) float32");
+    return groups;
+}
+
+}  // namespace
+
 at::Tensor quantized_linear(const at::Tensor& inputs, const at::Tensor& packed, int64_t format,
                             const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits) {
-    TORCH_CHECK(inputs.dim() == 2, "inputs: (rows, in) float32, rows contiguous");
+    check_quantized_product(inputs, packed, format, bias, out_features, activation_bits);
     auto output = at::empty({inputs.size(0), out_features}, inputs.options());
     quantized_linear_into(inputs, packed, format, bias, out_features, activation_bits, output);
     return output;
@@ -1186,26 +1213,10 @@ void quantized_linear_into(const at::Tensor& inputs, const at::Tensor& packed, i
                            const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t activation_bits,
                            const at::Tensor& output) {
     namespace qp = quantized_products;
-    TORCH_CHECK(qp::valid_format(format), "format: the packing's format bits and centre");
-    TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits: 8 or 16");
-    TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat && inputs.stride(1) == 1,
-                "inputs: (rows, in) float32, rows contiguous");
-    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                    packed.size(2) == qp::unit_bytes(format),
-                "packed: (tiles, units, bytes) uint8 from the packing of this format");
+    const int64_t groups = check_quantized_product(inputs, packed, format, bias, out_features, activation_bits);
     const int64_t rows = inputs.size(0), tiles = packed.size(0);
-    const int64_t groups = packed.size(1) * (format & qp::kFactored ? qp::kSuperGroups : 1);
-    TORCH_CHECK(inputs.size(1) == groups * qp::kGroup, "inputs: ", groups * qp::kGroup, " features");
-    TORCH_CHECK(out_features > (tiles - 1) * qp::kTile && out_features <= tiles * qp::kTile,
-                "out_features: the packing's");
     const bool biased = bias.has_value() && bias->defined();
-    if (biased)
-        TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
-                        bias->scalar_type() == at::kFloat,
-                    "bias: (out,) float32");
-    TORCH_CHECK(output.dim() == 2 && output.is_contiguous() && output.size(0) >= rows && output.size(1) == out_features &&
-                    output.scalar_type() == at::kFloat,
-                "output: contiguous (rows, out_features) float32");
+    check_output_rows(output, rows, out_features, at::kFloat, "output");
     if (rows == 0) return;
     if (groups == 0) {
         output.narrow(0, 0, rows).zero_();

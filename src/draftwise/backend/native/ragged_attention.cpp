@@ -1015,9 +1015,7 @@ void ragged_attention_into(
     const int64_t* committed_of = row_committed.data_ptr<int64_t>();
     const int64_t* offsets = path_offsets.data_ptr<int64_t>();
     const int64_t* paths = path_rows.data_ptr<int64_t>();
-    TORCH_CHECK(output.dim() == 2 && output.is_contiguous() && output.size(0) >= rows &&
-                    output.size(1) == heads * dim && output.scalar_type() == query.scalar_type(),
-                "output: contiguous (rows, heads * dim) in the query's dtype");
+    check_output_rows(output, rows, heads * dim, query.scalar_type(), "output");
 
     auto run = [&](auto query_zero, auto kv_zero) {
         using query_t = decltype(query_zero);

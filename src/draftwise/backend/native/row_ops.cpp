@@ -1,14 +1,18 @@
-// The lean forward's row-wise operations (RMSNorm, rotary embedding, SiLU gating), one call each for all rows, and
-// the copy of a forward's keys and values into a sequence's block cache (one call where two strided torch copies per
-// block cost ~0.1 ms, mostly fixed, of a small model's one-row step).
+// The lean forward's row-wise operations (RMSNorm, rotary embedding with the keys and values rounded to the cache's
+// dtype, SiLU gating, the residual addition), one call each for all rows, and the copy of a forward's keys and values
+// into a sequence's block cache (one call where two strided torch copies per block cost ~0.1 ms, mostly fixed, of a
+// small model's one-row step).
 //
 // As in the attention kernel, a row's result depends on that row alone: every element goes through the same
 // instructions (sums of squares in sixteen lanes over the dimensions, in order, then a fixed pairwise lane sum), so
 // plain decoding's lone row and the same row inside a verification forward of any size come out bitwise equal. Each
 // call replaces three to eight small torch operations, whose fixed cost per call dominates a one-row forward.
 //
-// ``min_rows``: the outputs that feed a linear product get at least that many rows, the extra ones zero, so the
-// product runs at the row count the machine's kernel is fastest and invariant at without another copy.
+// The ``*_into`` forms write the first ``rows`` rows of a given output (contiguous, at least that many rows, its
+// other rows left as they are): the compiled layer loop reuses one buffer per intermediate over every layer, where an
+// allocation per operation cost more than a small model's row-wise kernels. The allocating forms' ``min_rows``: the
+// outputs that feed a linear product get at least that many rows, the extra ones zero, so the product runs at the row
+// count the machine's kernel is fastest and invariant at without another copy.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -81,8 +85,8 @@ void silu_mul_row(const scalar_t* gate, const scalar_t* up, int64_t width, scala
 }
 
 // One head vector rotated: out[i] = x[i] cos[i] + x[(i + half) mod dim] signed_sin[i] (signed_sin's first half
-// negated: rotate_half's sign), times ``scale``, in float32, rounded once to ``out``'s dtype (x's, or a float16 cache's
-// beside float32 rows: the same value rounded on as a torch conversion of the float32 result would).
+// negated: rotate_half's sign), times ``scale``, in float32, rounded once to ``out``'s dtype (x's, or float16 beside
+// float32 rows: what a torch conversion of the float32 result gives).
 template <typename scalar_t, typename out_t>
 inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* signed_sin, int64_t dim, float scale,
                         out_t* out) {
@@ -94,15 +98,14 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
             const floats16 partner = load16(x + (c + shift) % chunks * kLanes);
             const floats16 value = load16(x + c * kLanes) * load16(cos + c * kLanes) +
                                    partner * load16(signed_sin + c * kLanes);
-            if constexpr (std::is_same_v<scalar_t, out_t>) store_lanes(out + c * kLanes, value * scale, kLanes);
-            else store_lanes(out + c * kLanes, rounded<scalar_t>(value * scale), kLanes);
+            store_lanes(out + c * kLanes, value * scale, kLanes);
         }
         return;
     }
     for (int64_t i = 0; i < dim; ++i) {
         const float partner = static_cast<float>(x[i < half ? i + half : i - half]);
         const float value = static_cast<float>(x[i]) * static_cast<float>(cos[i]) + partner * static_cast<float>(signed_sin[i]);
-        out[i] = static_cast<out_t>(static_cast<float>(static_cast<scalar_t>(value * scale)));
+        out[i] = static_cast<out_t>(value * scale);
     }
 }
 
@@ -110,31 +113,57 @@ void check_rows(const at::Tensor& tensor, const char* name) {
     TORCH_CHECK(tensor.dim() == 2 && tensor.stride(1) == 1, name, ": (rows, width), each row contiguous");
 }
 
-// The output of ``rows`` rows of ``width``, with at least ``min_rows`` rows: those past ``rows`` zero.
-at::Tensor padded_output(int64_t rows, int64_t min_rows, int64_t width, const at::TensorOptions& options) {
-    return min_rows > rows ? at::zeros({min_rows, width}, options) : at::empty({rows, width}, options);
+void check_norm(const at::Tensor& hidden, const at::Tensor& weight) {
+    check_rows(hidden, "hidden");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden.size(1) && weight.is_contiguous(), "weight: (dim,)");
+    TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight in the hidden states' dtype");
 }
 
-// ``out`` as a row-wise kernel's output: contiguous, at least ``rows`` rows of ``width``, in ``dtype``.
-void check_output(const at::Tensor& out, int64_t rows, int64_t width, at::ScalarType dtype) {
-    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) >= rows && out.size(1) == width &&
-                    out.scalar_type() == dtype,
-                "out: contiguous (rows, ", width, ") in the inputs' dtype");
+// Returns the gated width.
+int64_t check_gate_up(const at::Tensor& gate_up, int64_t rows) {
+    check_rows(gate_up, "gate_up");
+    TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
+    TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
+    return gate_up.size(1) / 2;
+}
+
+// Returns the head dimension.
+int64_t check_rotation(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows,
+                       int64_t heads, int64_t kv_heads) {
+    check_rows(qkv, "qkv");
+    TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == signed_sin.sizes(),
+                "cos, signed_sin: contiguous (rows, dim)");
+    const int64_t dim = cos.size(1);
+    TORCH_CHECK(rows >= 0 && rows <= qkv.size(0) && cos.size(0) >= rows, "one cos and sin row per row");
+    TORCH_CHECK(heads >= 0 && kv_heads >= 0 && dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+                "qkv: (rows, (heads + 2 kv_heads) dim)");
+    TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && signed_sin.scalar_type() == qkv.scalar_type(),
+                "cos and sin in qkv's dtype");
+    return dim;
+}
+
+// A rotation's output: contiguous, at least ``count`` elements, in ``dtype``.
+void check_heads_output(const at::Tensor& out, int64_t count, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK(out.is_contiguous() && out.numel() >= count && out.scalar_type() == dtype, name,
+                ": contiguous, a row's heads after another's, in its dtype");
 }
 
 }  // namespace
 
-// The ``*_into`` forms write their first ``rows`` rows into a given output (contiguous, at least that many rows, its
-// other rows left as they are) instead of a new tensor: the compiled layer loop reuses one buffer per kind of
-// intermediate over every layer, where an allocation per operation cost more than a small model's row-wise kernels.
+void check_output_rows(const at::Tensor& out, int64_t rows, int64_t width, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) >= rows && out.size(1) == width &&
+                    out.scalar_type() == dtype,
+                name, ": contiguous, at least ", rows, " rows of ", width, ", ", dtype);
+}
 
-// hidden: (rows, dim); weight: (dim,); out: (>= rows, dim) in hidden's dtype.
+at::Tensor padded_output(int64_t rows, int64_t min_rows, int64_t width, const at::TensorOptions& options) {
+    return min_rows > rows ? at::zeros({min_rows, width}, options) : at::empty({rows, width}, options);
+}
+
 void rms_norm_into(const at::Tensor& hidden, const at::Tensor& weight, double eps, const at::Tensor& out) {
-    check_rows(hidden, "hidden");
+    check_norm(hidden, weight);
     const int64_t rows = hidden.size(0), dim = hidden.size(1);
-    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight: (dim,)");
-    TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), "weight in the hidden states' dtype");
-    check_output(out, rows, dim, hidden.scalar_type());
+    check_output_rows(out, rows, dim, hidden.scalar_type(), "out");
     dispatch(hidden, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = hidden.data_ptr<scalar_t>();
@@ -150,19 +179,15 @@ void rms_norm_into(const at::Tensor& hidden, const at::Tensor& weight, double ep
 
 // hidden: (rows, dim); weight: (dim,). Returns (max(rows, min_rows), dim), the extra rows zero.
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t min_rows) {
-    check_rows(hidden, "hidden");
+    check_norm(hidden, weight);
     auto output = padded_output(hidden.size(0), min_rows, hidden.size(1), hidden.options());
     rms_norm_into(hidden, weight, eps, output);
     return output;
 }
 
-// gate_up: (>= rows, 2 * width), the gate's columns first; out: (>= rows, width) in gate_up's dtype.
 void silu_mul_into(const at::Tensor& gate_up, int64_t rows, const at::Tensor& out) {
-    check_rows(gate_up, "gate_up");
-    TORCH_CHECK(rows >= 0 && rows <= gate_up.size(0), "rows: at most gate_up's");
-    TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
-    const int64_t width = gate_up.size(1) / 2;
-    check_output(out, rows, width, gate_up.scalar_type());
+    const int64_t width = check_gate_up(gate_up, rows);
+    check_output_rows(out, rows, width, gate_up.scalar_type(), "out");
     dispatch(gate_up, [&](auto zero) {
         using scalar_t = decltype(zero);
         const scalar_t* in = gate_up.data_ptr<scalar_t>();
@@ -177,40 +202,21 @@ void silu_mul_into(const at::Tensor& gate_up, int64_t rows, const at::Tensor& ou
 
 // gate_up: (rows, 2 * width), the gate's columns first. Returns silu(gate) * up, (max(rows, min_rows), width).
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t rows, int64_t min_rows) {
-    check_rows(gate_up, "gate_up");
-    TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: an even number of columns");
-    auto output = padded_output(rows, min_rows, gate_up.size(1) / 2, gate_up.options());
+    auto output = padded_output(rows, min_rows, check_gate_up(gate_up, rows), gate_up.options());
     silu_mul_into(gate_up, rows, output);
     return output;
 }
 
-// qkv: (rows, (heads + 2 kv_heads) dim), the rows' fused projections (only the first ``rows`` are read); cos,
-// signed_sin: (rows, dim), each row's position's. Writes the rotated queries times ``scale`` into ``queries``
-// (>= rows, heads, dim; qkv's dtype), the rotated keys into ``keys`` and, unless undefined, the values into
-// ``values`` (each (>= rows, kv_heads, dim), in qkv's dtype or, beside float32 rows, float16: each rounded as a torch
-// conversion of the float32 result rounds it).
 void rotate_queries_keys_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows,
                               int64_t heads, int64_t kv_heads, double scale, const at::Tensor& queries,
                               const at::Tensor& keys, const at::Tensor& values) {
-    check_rows(qkv, "qkv");
-    TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == signed_sin.sizes(),
-                "cos, signed_sin: contiguous (rows, dim)");
-    const int64_t dim = cos.size(1);
-    TORCH_CHECK(rows <= qkv.size(0) && cos.size(0) >= rows, "one cos and sin row per row");
-    TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv: (rows, (heads + 2 kv_heads) dim)");
-    TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && signed_sin.scalar_type() == qkv.scalar_type(),
-                "cos and sin in qkv's dtype");
-    TORCH_CHECK(queries.is_contiguous() && queries.numel() >= rows * heads * dim &&
-                    queries.scalar_type() == qkv.scalar_type(),
-                "queries: contiguous, (rows, heads, dim) in qkv's dtype");
+    const int64_t dim = check_rotation(qkv, cos, signed_sin, rows, heads, kv_heads);
     const auto kv_type = keys.scalar_type();
     TORCH_CHECK(kv_type == qkv.scalar_type() || (kv_type == at::kHalf && qkv.scalar_type() == at::kFloat),
                 "keys and values in qkv's dtype, or float16 beside float32 rows");
-    for (const at::Tensor* fresh : {&keys, &values})
-        TORCH_CHECK((!fresh->defined() && fresh == &values) ||
-                        (fresh->is_contiguous() && fresh->numel() >= rows * kv_heads * dim &&
-                         fresh->scalar_type() == kv_type),
-                    "keys, values: contiguous, (rows, kv_heads, dim), one dtype");
+    check_heads_output(queries, rows * heads * dim, qkv.scalar_type(), "queries");
+    check_heads_output(keys, rows * kv_heads * dim, kv_type, "keys");
+    if (values.defined()) check_heads_output(values, rows * kv_heads * dim, kv_type, "values");
     auto run = [&](auto zero, auto kv_zero) {
         using scalar_t = decltype(zero);
         using kv_t = decltype(kv_zero);
@@ -232,13 +238,9 @@ void rotate_queries_keys_into(const at::Tensor& qkv, const at::Tensor& cos, cons
                 for (int64_t head = 0; head < kv_heads; ++head)
                     rotate_head(source + (heads + head) * dim, row_cos, row_sin, dim, 1.0f,
                                 key_out + row * kv_width + head * dim);
-                const scalar_t* row_values = source + (heads + kv_heads) * dim;
-                if (value_out == nullptr) continue;
-                if constexpr (std::is_same_v<scalar_t, kv_t>) {
-                    std::memcpy(value_out + row * kv_width, row_values, kv_width * sizeof(kv_t));
-                } else {
-                    for (int64_t i = 0; i < kv_width; ++i)
-                        value_out[row * kv_width + i] = static_cast<kv_t>(static_cast<float>(row_values[i]));
+                if (value_out != nullptr) {
+                    const scalar_t* row_values = source + (heads + kv_heads) * dim;
+                    for (int64_t i = 0; i < kv_width; ++i) value_out[row * kv_width + i] = static_cast<kv_t>(row_values[i]);
                 }
             }
         });
@@ -247,39 +249,40 @@ void rotate_queries_keys_into(const at::Tensor& qkv, const at::Tensor& cos, cons
     else run(float{}, c10::Half{});
 }
 
-// As rotate_queries_keys_into; returns the queries (rows, heads, dim) and keys (rows, kv_heads, dim) in qkv's dtype
-// (the values stay in qkv).
+// qkv: (rows, (heads + 2 kv_heads) dim), the rows' fused projections (only the first ``rows`` are read); cos,
+// signed_sin: (rows, dim), each row's position's. Returns the rotated queries times ``scale``, (rows, heads, dim),
+// and the rotated keys, (rows, kv_heads, dim); the values stay in qkv.
 std::tuple<at::Tensor, at::Tensor> rotate_queries_keys(
     const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t rows, int64_t heads,
     int64_t kv_heads, double scale) {
-    TORCH_CHECK(cos.dim() == 2, "cos, signed_sin: contiguous (rows, dim)");
-    const int64_t dim = cos.size(1);
+    const int64_t dim = check_rotation(qkv, cos, signed_sin, rows, heads, kv_heads);
     auto queries = at::empty({rows, heads, dim}, qkv.options());
     auto keys = at::empty({rows, kv_heads, dim}, qkv.options());
     rotate_queries_keys_into(qkv, cos, signed_sin, rows, heads, kv_heads, scale, queries, keys, at::Tensor());
     return {queries, keys};
 }
 
-// hidden (>= rows, dim) += delta's first ``rows`` rows, element by element in hidden's dtype (as torch's addition:
-// float32 sums, rounded to bfloat16 or float16 once).
 void add_rows_into(const at::Tensor& hidden, const at::Tensor& delta, int64_t rows) {
     check_rows(delta, "delta");
     const int64_t dim = delta.size(1);
-    TORCH_CHECK(rows <= delta.size(0), "rows: at most delta's");
-    check_output(hidden, rows, dim, delta.scalar_type());
+    TORCH_CHECK(rows >= 0 && rows <= delta.size(0), "rows: at most delta's");
+    check_output_rows(hidden, rows, dim, delta.scalar_type(), "hidden");
     dispatch(delta, [&](auto zero) {
         using scalar_t = decltype(zero);
         scalar_t* sums = hidden.data_ptr<scalar_t>();
         const scalar_t* in = delta.data_ptr<scalar_t>();
         const int64_t stride = delta.stride(0);
-        for (int64_t row = 0; row < rows; ++row)
-            for (int64_t i = 0; i < dim; i += kLanes) {
-                const int64_t count = std::min<int64_t>(kLanes, dim - i);
-                const floats16 sum = count == kLanes ? load16(sums + row * dim + i) + load16(in + row * stride + i)
-                                                     : load_partial(sums + row * dim + i, count) +
-                                                           load_partial(in + row * stride + i, count);
-                store_lanes(sums + row * dim + i, sum, count);
-            }
+        at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row)
+                for (int64_t i = 0; i < dim; i += kLanes) {
+                    const int64_t count = std::min<int64_t>(kLanes, dim - i);
+                    scalar_t* sum = sums + row * dim + i;
+                    const scalar_t* term = in + row * stride + i;
+                    store_lanes(sum, count == kLanes ? load16(sum) + load16(term)
+                                                     : load_partial(sum, count) + load_partial(term, count),
+                                count);
+                }
+        });
     });
 }
 

@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <type_traits>
 
 #include "kernels.h"
 #include "vectors.h"

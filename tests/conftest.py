@@ -31,6 +31,20 @@ def device(request):
     return request.param
 
 
+@pytest.fixture
+def transformers_rows_trusted(monkeypatch):
+    """Tiny models passed as they are run on the transformers backend, whose verification rows are not bitwise one-row
+    decoding's: unchecked, it verifies no drafts (:class:`~draftwise.backend.target.TransformersTarget`). The tiny
+    models' greedy tokens are far apart (see :func:`tiny.make_tiny_model`), so their greedy ids match even so: tests
+    of the engine's and drafters' logic that pass the models as they are (``pytestmark =
+    pytest.mark.usefixtures("transformers_rows_trusted")``) let that backend draft as if its rows had been found
+    exact."""
+    from draftwise.backend.target import TransformersTarget
+
+    monkeypatch.setattr(TransformersTarget, "exact_trees", True)
+    monkeypatch.setattr(TransformersTarget, "drafting_off_reason", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_model("llama", seed=0)

@@ -299,12 +299,12 @@ def test_load_model_of_a_saved_tiny_checkpoint(tmp_path, tiny_llama):
 def test_preset_not_installed(tmp_path, monkeypatch):
     import importlib.metadata
 
-    from draftwise import models
+    from draftwise.models import presets
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(models.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(presets.importlib.metadata, "distribution", missing)
     with pytest.raises(ModelNotInstalledError, match="draftwise models install smollm2-135m"):
         draftwise.load_model("smollm2-135m", cache_dir=tmp_path / "empty-cache")
 
@@ -315,10 +315,10 @@ def test_preset_not_installed(tmp_path, monkeypatch):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    def refuse(args):
+    def refuse(args, options=None):
         raise AssertionError("the CLI tried to load a model")
 
-    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr(cli.common, "load", refuse)
 
 
 @pytest.fixture
@@ -377,11 +377,11 @@ def test_cli_generate_prompt_twice(no_model_loading, capsys, tmp_path):
 def tiny_cli(monkeypatch, tiny_llama):
     loaded = []
 
-    def load(args):
+    def load(args, options=None):
         loaded.append(args.model)
         return tiny_llama, CharTokenizer()
 
-    monkeypatch.setattr(cli, "_load", load)
+    monkeypatch.setattr(cli.common, "load", load)
     return loaded
 
 
@@ -429,7 +429,7 @@ def test_load_model_unknown_kv_cache_dtype(tmp_path):
 
 def test_kv_cache_dtype_option_of_the_cli():
     parser = cli.build_parser()
-    assert parser.parse_args(["generate", "hello"]).kv_cache_dtype is None
+    assert parser.parse_args(["generate", "hello"]).kv_cache_dtype == "auto"  # (the library's default)
     assert parser.parse_args(["generate", "hello", "--kv-cache-dtype", "float32"]).kv_cache_dtype == "float32"
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "hello", "--kv-cache-dtype", "int8"])

@@ -13,6 +13,7 @@ PACKAGE = Path(draftwise.__file__).parent
 #: Units of the package from the bottom up. A unit may import its own modules and any unit of a lower layer.
 LAYERS: list[set[str]] = [
     {"errors"},
+    {"files"},  # reading the files a user names, with clear errors
     {"backend"},
     {"models"},  # loading checkpoints: model drafters load their draft model with it
     {"decoding"},

@@ -7,7 +7,7 @@ import pytest
 from draftwise.bench import BenchSettings
 from draftwise.cli import build_parser
 from draftwise.errors import ModelLoadError
-from draftwise.models import PRESETS, check_load_activation_bits, default_activation_bits
+from draftwise.models import PRESETS, LoadOptions, default_activation_bits
 
 
 def test_the_qwen_presets_file_takes_eight_bits_and_everything_else_sixteen():
@@ -26,10 +26,11 @@ def test_the_cli_and_the_bench_leave_the_choice_to_the_model_unless_told():
     parser = build_parser()
     assert parser.parse_args(["generate", "hello"]).activation_bits is None
     assert parser.parse_args(["generate", "hello", "--activation-bits", "16"]).activation_bits == 16
-    assert BenchSettings(methods=["ar"], model="smollm2-135m").activation_bits is None
+    assert BenchSettings(methods=["ar"], model="smollm2-135m").load.activation_bits is None
 
 
 def test_an_explicit_precision_is_still_checked():
-    check_load_activation_bits(8)
-    with pytest.raises(ModelLoadError, match="unknown activation_bits"):
-        check_load_activation_bits(None)  # type: ignore[arg-type]
+    assert LoadOptions(activation_bits=8).activation_bits == 8
+    for wrong in (4, True, "8"):
+        with pytest.raises(ModelLoadError, match="unknown activation_bits"):
+            LoadOptions(activation_bits=wrong)

@@ -289,6 +289,18 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def drafting_transformers(model):
+    """``model`` on the transformers backend with drafting on, unchecked. Its verification rows are not bitwise one-row
+    decoding's (the check at load would turn drafting off), but the tiny models' greedy tokens are far apart (see
+    :func:`make_tiny_model`), so greedy ids still match: tests of the engine's logic (tree walks, statistics,
+    drafters' learning) run on it without the lean forward's row plan."""
+    from draftwise.backend.target import TransformersTarget
+
+    target = TransformersTarget(model)
+    target.exact_trees, target.drafting_off_reason = True, None
+    return target
+
+
 def planned(model, folder, kernel: bool | None = None):
     """``model`` on the engine's lean forward with its row plan measured (the measurements kept in ``folder``);
     ``kernel``: as :class:`~draftwise.backend.forward.lean.LeanTarget`'s (``False``: attention by the library path)."""

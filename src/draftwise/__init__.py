@@ -21,7 +21,7 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOptionError,
 )
-from .models import DEFAULT_MODEL, PRESETS, load_model
+from .models import DEFAULT_MODEL, PRESETS, LoadOptions, load_model
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStream",
     "InvalidRequestError",
+    "LoadOptions",
     "ModelLoadError",
     "ModelNotInstalledError",
     "StepOutcome",

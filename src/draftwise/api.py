@@ -19,6 +19,11 @@ from .models import eos_token_ids
 
 Messages = Sequence[Mapping[str, Any]]
 
+#: The method :func:`generate` and :func:`stream` decode with unless told (and ``draftwise generate``/``serve``).
+DEFAULT_METHOD = "pld"
+#: Tokens :func:`generate` and :func:`stream` generate at most unless told (and ``draftwise generate``).
+DEFAULT_MAX_NEW_TOKENS = 128
+
 #: The statistics of :meth:`GenerationResult.summary`, with the digits each is rounded to.
 SUMMARY_DIGITS = {
     "new_tokens": 0,
@@ -63,12 +68,14 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
 
     def summary(self) -> dict[str, Any]:
-        """The method, why generation ended and the main statistics, rounded, as JSON-ready values."""
+        """The method, why generation ended and the main statistics, rounded, as JSON-ready values (with
+        ``drafting_off``: why no drafts were verified, ``None`` where drafting was allowed)."""
         stats = self.stats.to_dict()
         summary: dict[str, Any] = {"method": self.method, "finish_reason": self.finish_reason}
         for name, digits in SUMMARY_DIGITS.items():
             value = stats[name]
             summary[name] = [round(item, digits) for item in value] if isinstance(value, list) else round(value, digits)
+        summary["drafting_off"] = stats["drafting_off"]
         return summary
 
 
@@ -238,8 +245,8 @@ def stream(
     model: Any,
     tokenizer: Any,
     prompt: str | Messages | Sequence[str | Messages] | None = None,
-    method: str | Drafter = "pld",
-    max_new_tokens: int = 128,
+    method: str | Drafter = DEFAULT_METHOD,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     stop: Sequence[str] | str | None = None,
     *,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -279,8 +286,8 @@ def generate(
     model: Any,
     tokenizer: Any,
     prompt: str | Messages | Sequence[str | Messages] | None = None,
-    method: str | Drafter = "pld",
-    max_new_tokens: int = 128,
+    method: str | Drafter = DEFAULT_METHOD,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     stop: Sequence[str] | str | None = None,
     *,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,

@@ -17,8 +17,8 @@ import torch
 
 from .backend.calibration.costs import cost_curves
 from .backend.calibration.invariance import InvarianceReport, check_trees, plan_rows
-from .backend.calibration.machine import MeasurementStore, auto_dtype, cpu_flags, cpu_model, native_bf16, resolve_dtype
-from .models import DEFAULT_MODEL, load_model
+from .backend.calibration.machine import MeasurementStore, auto_dtype, cpu_flags, cpu_model, native_bf16
+from .models import DEFAULT_MODEL, LoadOptions, load_model
 
 
 @dataclass
@@ -55,29 +55,27 @@ class Diagnosis:
 def diagnose(
     name_or_path: str = DEFAULT_MODEL,
     dtypes: Sequence[str] = ("auto",),
-    device: str = "cpu",
-    cache_dir: str | None = None,
-    backend: str = "auto",
+    options: LoadOptions | None = None,
     trials: int = 40,
 ) -> Diagnosis:
     """Measure, afresh and without touching the kept measurements, how ``name_or_path`` runs on this machine in
-    each of ``dtypes``."""
+    each of ``dtypes`` (float weights; ``options`` give the device, backend, cache folder and the rest)."""
+    options = LoadOptions.of(options, weights="float", calibrate=False)
+    device = options.resolved_device
     diagnosis = Diagnosis(
         model=name_or_path,
-        cpu=cpu_model() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
+        cpu=cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device),
         native_bf16=native_bf16(device),
         auto_dtype=str(auto_dtype(device)).removeprefix("torch."),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
     )
-    for name in dict.fromkeys(str(resolve_dtype(dtype, device)).removeprefix("torch.") for dtype in dtypes):
-        target, _ = load_model(
-            name_or_path, dtype=name, device=device, cache_dir=cache_dir, backend=backend, calibrate=False,
-            weights="float",
-        )
+    for name in dict.fromkeys(str(LoadOptions.of(options, dtype=dtype).resolved_dtype(quantized=False))
+                              .removeprefix("torch.") for dtype in dtypes):
+        target, _ = load_model(name_or_path, options, dtype=name)
         with tempfile.TemporaryDirectory() as scratch:
             store = MeasurementStore(Path(scratch))
-            if target.backend == "lean":
+            if target.backend == "lean":  # (its padding first; the transformers backend has none to plan)
                 plan_rows(target, store)
             report = check_trees(target, trials=trials, steps=120, prompt_length=100, seed=17)
             curves = cost_curves(target, store)
@@ -89,7 +87,7 @@ def diagnose(
                 linear=getattr(target, "linear_path", None),
                 linear_min_rows=getattr(target, "linear_min_rows", None),
                 attention_min_rows=getattr(target, "attention_min_rows", None),
-                exact_trees=target.exact_trees and report.exact,
+                exact_trees=report.exact and (target.backend != "lean" or target.exact_trees),
                 report=report,
                 cost_ms={rows: 1000 * seconds for rows, seconds in curves.chain.items()},
                 tree_cost_ms={rows: 1000 * seconds for rows, seconds in curves.tree.items()},

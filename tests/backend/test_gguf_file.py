@@ -169,14 +169,12 @@ def test_the_small_preset_loads_at_sixteen_bits_by_default(tmp_path):
 
 def spec_bench_texts(tokenizer, length: int = 500) -> list[list[int]]:
     """Token ids of Spec-Bench first turns (two summarization articles, two questions of each other task), each cut
-    to ``length``: the text the presets' default precisions were measured on; empty where the file is not found."""
+    to ``length``: the text the presets' default precisions were measured on."""
     import json
 
-    from draftwise.bench.prompts import default_spec_bench_path
+    from draftwise.bench.prompts import spec_bench_path
 
-    path = default_spec_bench_path()
-    if path is None:
-        return []
+    path = spec_bench_path()
     by_category: dict[str, list[str]] = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)

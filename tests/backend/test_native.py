@@ -321,10 +321,11 @@ def test_kernel_choice_is_explicit():
 
 @contextlib.contextmanager
 def failing_kernel_build(reason: str) -> Iterator[None]:
-    """The kernels' build failing with ``reason``, as it does on a machine without a compiler: torch's builder
-    raises, the loader's remembered outcome and its warn-once state are cleared first. On leaving, all of it is
-    restored and the remembered outcome cleared again, so the next use loads the real build (from its build folder)."""
-    import torch.utils.cpp_extension
+    """The kernels' build failing with ``reason``, as it does on a machine without a compiler (and no earlier build):
+    the builder raises, the loader's remembered outcome and its warn-once state are cleared first. On leaving, all of
+    it is restored and the remembered outcome cleared again, so the next use loads the real build (from its build
+    folder)."""
+    from draftwise.backend.native import build
 
     def fail(*args, **kwargs):
         raise RuntimeError(f"Error building extension 'draftwise_native':\n{reason}")
@@ -333,7 +334,7 @@ def failing_kernel_build(reason: str) -> Iterator[None]:
     native.build_key.cache_clear()
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(torch.utils.cpp_extension, "load", fail)
+            patch.setattr(build, "load_extension", fail)
             patch.setattr(native, "_warned", [])
             yield
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import random
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -93,10 +94,12 @@ def test_missing_file(tmp_path):
         load_spec_bench(tmp_path / "nope.jsonl")
 
 
-def test_no_default_file(monkeypatch):
-    monkeypatch.setattr(data, "default_spec_bench_path", lambda: None)
-    with pytest.raises(InvalidRequestError, match="--data"):
-        load_spec_bench(None)
+def test_the_default_file_ships_with_the_package():
+    import draftwise
+
+    assert data.spec_bench_path().is_relative_to(Path(draftwise.__file__).parent)
+    assert (data.spec_bench_path().parent / "SOURCE.md").is_file()
+    assert len(load_spec_bench(None)) == 480
 
 
 @pytest.mark.parametrize("line", ["{not json", json.dumps({"category": "qa"}), json.dumps(["a", "list"])])
@@ -114,10 +117,8 @@ def test_empty_turns_is_an_invalid_row(tmp_path):
         load_spec_bench(path)
 
 
-def test_real_spec_bench_file_if_present():
-    path = data.default_spec_bench_path()
-    if path is None:
-        pytest.skip("Spec-Bench's question.jsonl is not beside this checkout")
+def test_real_spec_bench_file():
+    path = data.spec_bench_path()
     prompts = load_spec_bench(path, per_category=5)
     categories = {}
     for prompt in prompts:

@@ -151,7 +151,7 @@ def test_run_interleaved_sampling_and_errors(tiny_llama):
 
 @pytest.fixture
 def tiny_cli(tiny_llama, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: (tiny_llama, ChatCharTokenizer()))
+    monkeypatch.setattr(cli.common, "load", lambda args, options=None: (tiny_llama, ChatCharTokenizer()))
 
 
 @pytest.fixture

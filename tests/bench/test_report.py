@@ -14,6 +14,9 @@ from draftwise.bench.report import load_runs, markdown_report, summary_tables, w
 from draftwise.bench.run import Record, ResultsWriter, results_header
 from draftwise.errors import InvalidRequestError
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -108,7 +111,7 @@ def test_terminal_tables_leave_out_empty_columns():
 
 @pytest.fixture
 def tiny_cli(tiny_llama, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: (tiny_llama, ChatCharTokenizer()))
+    monkeypatch.setattr(cli.common, "load", lambda args, options=None: (tiny_llama, ChatCharTokenizer()))
 
 
 def prompt_file(tmp_path):

@@ -15,7 +15,7 @@ from tiny import CharTokenizer
 
 import draftwise
 from draftwise import cli
-from draftwise.bench.prompts import default_spec_bench_path
+from draftwise.bench.prompts import spec_bench_path
 from draftwise.corpus.selfgen import read_prompt_file
 from draftwise.corpus.sources import (
     SHAREGPT_RESERVED_EVERY,
@@ -50,10 +50,7 @@ class TextTokenizer(CharTokenizer):
 
 
 def spec_bench_or_skip():
-    path = default_spec_bench_path()
-    if path is None:
-        pytest.skip("no Spec-Bench data on this machine")
-    return path
+    return spec_bench_path()
 
 
 # --------------------------------------------------------------------------------------------------- records
@@ -325,7 +322,7 @@ def test_read_prompt_file_errors(tmp_path):
 
 @pytest.fixture
 def tiny_cli(monkeypatch, tiny_llama):
-    monkeypatch.setattr(cli, "_load", lambda args: (tiny_llama, TextTokenizer()))
+    monkeypatch.setattr(cli.common, "load", lambda args, options=None: (tiny_llama, TextTokenizer()))
 
 
 def ids(text: str) -> list[int]:
@@ -385,16 +382,15 @@ def test_cli_refuses_bad_arguments(tiny_cli, tmp_path, capsys):
         (["no-such-source"], "unknown source"),
         (["--self-generate", str(tmp_path / "missing.txt")], "does not exist"),
     ]
-    spec_bench = default_spec_bench_path()
-    if spec_bench is not None:
-        bad += [
-            ([str(spec_bench.parent)], "benchmark prompts"),
-            ([str(good), "--self-generate", str(spec_bench)], "benchmark prompts"),
-        ]
+    spec_bench = spec_bench_path()
+    bad += [
+        ([str(spec_bench.parent)], "benchmark prompts"),
+        ([str(good), "--self-generate", str(spec_bench)], "benchmark prompts"),
+    ]
     for arguments, message in bad:
         args = parser.parse_args(["corpus", "build", "--out", str(out), *arguments])
         with pytest.raises(DraftwiseError, match=message):
-            cli.cmd_corpus(args)
+            cli.corpus.run_corpus(args)
     assert cli.main(["corpus", "build", "--out", str(out)]) == 2
     assert "at least one source" in capsys.readouterr().err
     assert not out.exists()

@@ -18,6 +18,9 @@ from draftwise.decoding.latency import LatencyModel
 from draftwise.decoding.policy import DraftingPolicy
 from draftwise.decoding.tree import DraftTree
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 PROMPT = [3, 17, 42, 8, 8, 61, 5, 23]
 
 

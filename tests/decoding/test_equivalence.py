@@ -32,6 +32,9 @@ from draftwise.decoding.engine import FinishReason, decode
 from draftwise.decoding.stats import GenerationStats
 from draftwise.decoding.tree import DraftTree
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 MODELS = ["llama", "qwen2"]
 N_PROMPTS = 20
 

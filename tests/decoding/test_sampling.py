@@ -26,6 +26,9 @@ from draftwise.decoding.sampling import (
 from draftwise.decoding.tree import DraftTree
 from draftwise.decoding.verify import recursive_rejection, verify_probabilistic, verify_sampled
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 VOCAB = 6
 SAMPLES = 12000
 

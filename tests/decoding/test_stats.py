@@ -11,6 +11,9 @@ from tiny import OracleTreeDrafter, WrongDrafter, repetitive_prompt
 import draftwise
 from draftwise.decoding.stats import GenerationStats
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 
 def test_empty_stats():
     stats = GenerationStats()

@@ -23,6 +23,9 @@ from draftwise.drafters.aded import AdedDrafter, SearchTree, probability_bucket,
 from draftwise.drafters.stores.trigram import TrigramStore, pack_pair
 from draftwise.errors import UnsupportedOptionError
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 PROMPT = [3, 9, 4, 9, 4, 3, 9, 4, 7]
 
 

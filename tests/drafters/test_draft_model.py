@@ -18,6 +18,9 @@ from draftwise.drafters.draft_model import DraftModelDrafter, TreeGrowth, pick_c
 from draftwise.drafters.stores.acceptance import AcceptanceTracker
 from draftwise.errors import UnsupportedModelError, UnsupportedOptionError
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 
 def _model_of(target):
     return target.model if isinstance(target, LeanTarget) else target

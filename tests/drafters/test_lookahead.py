@@ -27,6 +27,9 @@ from draftwise.drafters.lookahead import (
 )
 from draftwise.errors import UnsupportedOptionError
 
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
+
 
 def counter(start: int = 1000):
     """A filler that hands out 1000, 1001, ... so tests can tell filler from real tokens."""

@@ -13,13 +13,16 @@ from tiny import VOCAB, TextTokenizer, repetitive_prompt
 
 import draftwise
 from draftwise import cli
-from draftwise.bench.prompts import default_spec_bench_path
+from draftwise.bench.prompts import spec_bench_path
 from draftwise.drafters.rest import RestDrafter
 from draftwise.drafters.stores.acceptance import PRIOR_MEANS
 from draftwise.drafters.stores.datastore import (
     Datastore,
 )
 from draftwise.errors import DraftwiseError, UnsupportedOptionError
+
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
 
 documents_strategy = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=25), min_size=1, max_size=5)
 
@@ -152,7 +155,7 @@ def test_drafting_is_fast():
 
 @pytest.fixture
 def tiny_cli(monkeypatch, tiny_llama):
-    monkeypatch.setattr(cli, "_load", lambda args: (tiny_llama, TextTokenizer()))
+    monkeypatch.setattr(cli.common, "load", lambda args, options=None: (tiny_llama, TextTokenizer()))
 
 
 def test_cli_builds_a_datastore(tiny_cli, tmp_path, capsys):
@@ -173,11 +176,10 @@ def test_cli_builds_a_datastore(tiny_cli, tmp_path, capsys):
 
 
 def test_cli_refuses_benchmark_data_and_bad_input(tiny_cli, tmp_path, capsys):
-    spec_bench = default_spec_bench_path()
-    if spec_bench is not None:
-        assert cli.main(["datastore", "build", "--out", str(tmp_path / "s.npz"), str(spec_bench)]) == 2
-        assert "benchmark prompts" in capsys.readouterr().err
-        assert cli.main(["datastore", "build", "--out", str(tmp_path / "s.npz"), str(spec_bench.parent)]) == 2
+    spec_bench = spec_bench_path()
+    assert cli.main(["datastore", "build", "--out", str(tmp_path / "s.npz"), str(spec_bench)]) == 2
+    assert "benchmark prompts" in capsys.readouterr().err
+    assert cli.main(["datastore", "build", "--out", str(tmp_path / "s.npz"), str(spec_bench.parent)]) == 2
     assert cli.main(["datastore", "build", "--out", str(tmp_path / "s.npz")]) == 2
     assert "at least one source" in capsys.readouterr().err
     assert cli.main(["datastore", "build", "--out", str(tmp_path / "s.npz"), "no-such-source"]) == 2

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import draftwise
 from draftwise.drafters.token_recycling import EMPTY, TokenRecyclingDrafter
+
+# (tiny models passed as they are draft on the transformers backend: see conftest.transformers_rows_trusted)
+pytestmark = pytest.mark.usefixtures("transformers_rows_trusted")
 
 PROMPT = [3, 9, 4, 9, 4, 3, 9, 4, 7]
 

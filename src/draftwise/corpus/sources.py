@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.prompts import default_spec_bench_path
+from ..bench.prompts import spec_bench_path
 from ..errors import InvalidRequestError
 
 #: File suffixes read as text when walking a folder.
@@ -38,11 +38,7 @@ NAMED_SOURCES = ("stdlib", "package-docs", "sharegpt")
 
 def benchmark_data_folders() -> list[Path]:
     """Folders that hold benchmark prompts and must never feed a corpus."""
-    folders = []
-    spec_bench = default_spec_bench_path()
-    if spec_bench is not None:
-        folders.append(spec_bench.resolve().parent.parent)  # shared/data: every benchmark set lives there
-    return folders
+    return [spec_bench_path().resolve().parent.parent]  # the package's benchmark data: every set lives there
 
 
 def check_not_benchmark(path: str | Path) -> Path:

@@ -264,6 +264,7 @@ class Decoder:
         """Give a started sequence its KV cache: its prefill begins now (whole, :meth:`prefill`, or in pieces,
         :meth:`step`'s ``prompt_chunks``). Its drafter prepares first (a draft model loads), before its clock starts."""
         sequence.drafter.prepare(self.target)
+        sequence.stats.drafting_off = self.target.drafting_off_reason
         sequence.started = time.perf_counter()
         if sequence.submitted is not None:
             sequence.stats.queue_time_s = sequence.started - sequence.submitted

@@ -29,6 +29,9 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     attempts_per_position: list[int] = field(default_factory=list)
     accepts_per_position: list[int] = field(default_factory=list)
+    #: Why no drafts were verified for this sequence, where the target's verification rows are not bitwise plain
+    #: decoding's on this machine (or were not checked); ``None`` where drafting was allowed.
+    drafting_off: str | None = None
 
     def record_step(self, emitted: int, drafted: int, accepted: int, attempted: int) -> None:
         """Count one verification step that emitted ``emitted`` tokens from a draft of ``drafted`` nodes."""

@@ -409,7 +409,7 @@ class DraftModelDrafter(Drafter):
             return
         if self._given is not None:
             draft = self._given if isinstance(self._given, Target) else make_target(
-                self._given, self.backend, calibrate=False)
+                self._given, backend=self.backend, calibrate=False)
             check_same_vocabulary(target, draft, getattr(draft, "tokenizer", None), self.model_name)
         else:
             draft = load_draft(self.model_name, target, self.backend, self.cache_dir, self.weights,

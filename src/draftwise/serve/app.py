@@ -30,11 +30,10 @@ from ..api import SettledText, StopSequences, encode_prompt
 from ..decoding.logprobs import TokenLogprob
 from ..decoding.stats import GenerationStats
 from ..errors import InvalidRequestError
+from .defaults import DEFAULT_MAX_TOKENS
 from .engine import ServerBusyError, ServingEngine, TokenEvent
 from .protocol import FINISH_REASONS, ChatCompletionRequest, CompletionRequest, max_new_tokens
 
-#: Tokens generated when a request names no limit (cut to the room left in the context window).
-DEFAULT_MAX_TOKENS = 256
 #: How often a waiting non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
 

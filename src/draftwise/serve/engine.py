@@ -27,12 +27,10 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.stats import GenerationStats
 from ..drafters import Drafter, make_drafter
 from ..errors import DraftwiseError, UnsupportedOptionError
+from .defaults import DEFAULT_MAX_WAITING
 from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-#: Requests that may wait for a slot before new ones are refused.
-DEFAULT_MAX_WAITING = 256
 
 T = TypeVar("T")
 

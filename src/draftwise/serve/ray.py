@@ -25,7 +25,7 @@ import hashlib
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRoute
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
 from ..errors import InvalidRequestError, ModelLoadError
-from .app import DEFAULT_MAX_TOKENS, create_app
-from .engine import DEFAULT_MAX_WAITING, ServingEngine, on_passing_thread
+from ..models import PRESETS, LoadOptions
+from .app import create_app
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAITING
+from .engine import ServingEngine, on_passing_thread
 from .metrics import LATENCY_BUCKETS, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -55,11 +57,12 @@ class ReplicaSpec:
     """What each replica loads and how it serves (pickled to every replica).
 
     Args:
-        model: a preset, GGUF file or checkpoint folder (loaded with :func:`draftwise.load_model` and the
-            ``dtype``/``device``/``backend``/``cache_dir`` given), or a :data:`ModelLoader`.
+        model: a preset, GGUF file or checkpoint folder (loaded with :func:`draftwise.load_model` and
+            ``options``), or a :data:`ModelLoader`.
         served_model_name: the name clients give as ``model``.
         method: the decoding method of every request.
         threads: torch threads per replica (``None``: torch's default, every core of the node).
+        options: how a model name is loaded (:class:`~draftwise.models.LoadOptions`; ``None``: the defaults).
     """
 
     model: str | ModelLoader
@@ -71,7 +74,7 @@ class ReplicaSpec:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     threads: int | None = None
     max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS
-    load_options: dict[str, Any] = field(default_factory=dict)
+    options: LoadOptions | None = None
 
 
 class RayServerMetrics(ServerMetrics):
@@ -188,7 +191,7 @@ class DraftwiseReplica:
             else:
                 from ..models import load_model
 
-                target, tokenizer = load_model(spec.model, progress=False, **spec.load_options)
+                target, tokenizer = load_model(spec.model, spec.options, progress=False)
             if tokenizer is None:
                 raise InvalidRequestError(f"{spec.served_model_name} has no tokenizer: the server needs one")
             return ServingEngine(target, tokenizer, spec.method, max_batch=spec.max_batch,
@@ -249,30 +252,8 @@ class SessionAffinityRouter(LocalityMixin, RequestRouter):
         return [random.sample(pool, min(2, len(pool)))]
 
 
-def _check_model_options(model: str | ModelLoader, load_options: dict[str, Any]) -> None:
-    """Refuse, before any replica starts, a model or load option every replica would fail on."""
-    from ..backend.calibration.machine import resolve_dtype
-    from ..models import (BACKENDS, PRESETS, WEIGHTS, check_kv_cache_dtype, check_load_activation_bits,
-                          check_max_model_len, check_torch_compile)
-
-    unknown = set(load_options) - {"dtype", "device", "backend", "cache_dir", "fast_linear", "calibrate", "weights",
-                                   "activation_bits", "kv_cache_dtype", "max_model_len", "torch_compile"}
-    if unknown:
-        raise InvalidRequestError(f"unknown load options: {', '.join(sorted(unknown))}")
-    if load_options.get("backend", "auto") not in BACKENDS:
-        raise ModelLoadError(f"unknown backend {load_options['backend']!r}; backends: {', '.join(BACKENDS)}")
-    if load_options.get("weights") not in (None, *WEIGHTS):
-        raise ModelLoadError(f"unknown weights {load_options['weights']!r}; weights: {', '.join(WEIGHTS)}")
-    if load_options.get("activation_bits") is not None:  # (None: the model's, see draftwise.load_model)
-        check_load_activation_bits(load_options["activation_bits"])
-    check_kv_cache_dtype(load_options.get("kv_cache_dtype"))
-    check_max_model_len(load_options.get("max_model_len"))
-    check_torch_compile(load_options.get("torch_compile", False), load_options.get("device", "cpu"),
-                        load_options.get("backend", "auto"))
-    try:
-        resolve_dtype(load_options.get("dtype", "auto"), load_options.get("device", "cpu"))
-    except ValueError as error:
-        raise ModelLoadError(str(error)) from None
+def _check_model(model: str | ModelLoader) -> None:
+    """Refuse, before any replica starts, a model name every replica would fail on."""
     if isinstance(model, str) and model not in PRESETS and not Path(model).expanduser().exists():
         raise ModelLoadError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) nor a path here (on a "
                              "cluster, give a path that exists on every node, this one included)")
@@ -301,6 +282,7 @@ def build_app(
     max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS,
     session_affinity: bool = True,
     health_check_period_s: float = 5.0,
+    options: LoadOptions | None = None,
     **load_options: Any,
 ) -> serve.Application:
     """The Ray Serve application of ``draftwise serve``: run it with ``serve.run(app)``.
@@ -320,9 +302,9 @@ def build_app(
         session_affinity: route by the ``x-session-id`` header (:class:`SessionAffinityRouter`); otherwise Ray's
             default power-of-two-choices routing.
         health_check_period_s: how often Serve calls each replica's health check.
-        load_options: passed to :func:`draftwise.load_model` (``dtype``, ``device``, ``backend``, ``cache_dir``,
-            ``weights``, ``activation_bits``, ``kv_cache_dtype``, ``max_model_len``, ``torch_compile``), with a model
-            name; a loader function loads the model itself, and takes none.
+        options: how each replica loads a model name (:class:`~draftwise.models.LoadOptions`, checked here, before
+            any replica starts); ``load_options``: any of its fields as keywords instead or on top. A loader
+            function loads the model itself, and takes none.
     """
     if replicas < 1:
         raise InvalidRequestError("replicas must be at least 1")
@@ -332,13 +314,13 @@ def build_app(
         raise InvalidRequestError("max_batch, max_waiting, max_prefill_rows and default_max_tokens must be positive")
     if budget < 0 or cpus_per_replica <= 0 or gpus_per_replica < 0 or (threads is not None and threads < 1):
         raise InvalidRequestError("budget and gpus_per_replica must be >= 0, cpus_per_replica and threads positive")
-    if str(load_options.get("device", "cpu")).startswith("cuda") and gpus_per_replica == 0:
+    if (options is not None or load_options) and not isinstance(model, str):
+        raise InvalidRequestError("load options apply to a model name; a loader function loads the model itself")
+    options = LoadOptions.of(options, **load_options) if isinstance(model, str) else None
+    if options is not None and options.device.startswith("cuda") and gpus_per_replica == 0:
         raise InvalidRequestError("a CUDA device needs gpus_per_replica > 0 (Ray gives a replica only the GPUs it "
                                   "reserves)")
-    _check_model_options(model, load_options)
-    if load_options and not isinstance(model, str):
-        raise InvalidRequestError(f"load options ({', '.join(sorted(load_options))}) apply to a model name; a loader "
-                                  "function loads the model itself")
+    _check_model(model)
     if served_model_name is None:
         if not isinstance(model, str):
             raise InvalidRequestError("served_model_name is required when the model comes from a loader function")
@@ -349,9 +331,9 @@ def build_app(
     spec = ReplicaSpec(model=model, served_model_name=served_model_name, method=method, max_batch=max_batch,
                        max_waiting=max_waiting, budget=budget, default_max_tokens=default_max_tokens,
                        max_prefill_rows=max_prefill_rows,
-                       threads=threads or max(1, round(cpus_per_replica)), load_options=dict(load_options))
+                       threads=threads or max(1, round(cpus_per_replica)), options=options)
     max_ongoing, target_ongoing = replica_limits(max_batch, max_waiting)
-    options: dict[str, Any] = {
+    deployment_options: dict[str, Any] = {
         "name": "DraftwiseReplica",
         "ray_actor_options": {"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
         "max_ongoing_requests": max_ongoing,
@@ -359,15 +341,15 @@ def build_app(
         "health_check_period_s": health_check_period_s,
     }
     if autoscale is not None:
-        options["autoscaling_config"] = AutoscalingConfig(
+        deployment_options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=autoscale[0], initial_replicas=max(autoscale[0], 1), max_replicas=autoscale[1],
             target_ongoing_requests=target_ongoing,
         )
     else:
-        options["num_replicas"] = replicas
+        deployment_options["num_replicas"] = replicas
     if session_affinity:
-        options["request_router_config"] = RequestRouterConfig(request_router_class=SessionAffinityRouter)
-    deployment = serve.deployment(serve.ingress()(DraftwiseReplica)).options(**options)
+        deployment_options["request_router_config"] = RequestRouterConfig(request_router_class=SessionAffinityRouter)
+    deployment = serve.deployment(serve.ingress()(DraftwiseReplica)).options(**deployment_options)
     return deployment.bind(spec)
 
 

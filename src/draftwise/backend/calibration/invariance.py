@@ -10,7 +10,8 @@ products never beyond 1), so nothing here is assumed:
 - :func:`check_trees` runs the model itself: plain one-row decoding, then random draft trees around the true
   continuation at many cache lengths, and compares every verification row with the plain row bit for bit;
 - :func:`plan_rows` sets a lean target's padding from the first, confirms it with the second, pads more if needed
-  and, if no padding is exact, turns draft trees off for that target (exact, just not faster) and says so. The
+  and, if no padding is exact, turns draft trees off for that target (exact, just not faster) and says so;
+  :func:`check_rows` does the same for a target with no padding to choose (the transformers backend). The
   result is kept per machine, library version, thread count, dtype, model shape and backend code (a digest of its
   sources, :func:`~draftwise.backend.calibration.machine.code_digest`: an edit to the forward measures again).
 """
@@ -199,6 +200,7 @@ def _compare(report: InvarianceReport, logits: torch.Tensor, expected: list[tupl
 def model_shape(target: Any) -> dict[str, Any]:
     config = target.config
     shape = {
+        "backend": target.backend,
         "type": config.model_type,
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
@@ -342,12 +344,36 @@ def _fastest_padding(target: Any, plan: RowPlan, trials: int) -> RowPlan:
 def _apply(target: Any, plan: RowPlan) -> None:
     if not target.fixed_row_plan:
         target.set_row_plan(plan.linear_min_rows, plan.attention_min_rows)
-    target.exact_trees = plan.exact
-    if not plan.exact:
+    _set_exactness(target, plan.exact, "with any padding tried")
+
+
+def _set_exactness(target: Any, exact: bool, how: str) -> None:
+    """Let ``target`` draft or not by what its check found; where not, say why (in its statistics and a warning)."""
+    target.exact_trees = exact
+    target.drafting_off_reason = None if exact else (
+        f"verification rows differ from one-row decoding on this machine ({target.backend} forward in "
+        f"{str(target.dtype).removeprefix('torch.')}, {how})")
+    if not exact:
         warnings.warn(
-            "draft verification is not bitwise exact on this machine with any padding tried; drafting is off for "
-            f"this model in {target.dtype} (generation stays exact, at plain decoding's speed). Run `draftwise "
-            "doctor` for details.",
+            f"draft verification is not bitwise exact on this machine ({target.backend} forward, {how}); drafting "
+            f"is off for this model in {target.dtype} (generation stays exact, at plain decoding's speed). Run "
+            "`draftwise doctor` for details.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def check_rows(target: Any, store: MeasurementStore | None = None, trials: int = 12) -> bool:
+    """Check (or recall) whether a target with no padding to choose (the transformers backend's) gives verification
+    rows bitwise plain decoding's on this machine (:func:`check_trees`), and let it draft only if so. Kept per
+    machine, library version, thread count, dtype, model shape and backend code, as row plans are."""
+    store = store if store is not None else MeasurementStore()
+    key = machine_key(target.device, target.dtype, model_shape(target))
+    record = store.load(key)
+    saved = record.get("row_check")
+    if saved is None:
+        saved = {"exact": check_trees(target, trials=trials).exact}
+        record["row_check"] = saved
+        store.save(key, record)
+    _set_exactness(target, bool(saved["exact"]), "checked at load")
+    return target.exact_trees

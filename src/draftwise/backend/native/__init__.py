@@ -14,9 +14,11 @@ sampling distribution (temperature, top-k, top-p and min-p by selection, not by 
 kernel computes a row from that row alone, in an order fixed by its position and width, so a row's bits never
 depend on the call's size.
 
-The extension is built from its sources with the machine's compiler the first time it is needed (about a minute,
-through :mod:`torch.utils.cpp_extension`) with ``-march=native``, and kept under ``~/.cache/draftwise/native`` keyed
-by the sources, the torch version and the CPU's flags, so a machine with other vector units builds its own. The
+The extension is built from its sources with the machine's compiler the first time it is needed (a few minutes on two
+cores, through :mod:`torch.utils.cpp_extension`, saying so as it goes) with ``-march=native``, and kept under
+``~/.cache/draftwise/native`` keyed by the sources' contents, the flags, torch's and Python's versions and the CPU's
+flags, so a machine with other vector units builds its own and two checkouts of the same sources share one build;
+a build killed mid-way leaves nothing that blocks the next (:mod:`.build`). The
 sources build for x86 CPUs with or without AVX, AVX2 or AVX-512, and for aarch64: x86 intrinsics sit behind the
 macros of the vector units they need, each with a portable fallback. Where the extension cannot be built (no
 compiler), :func:`load_kernels` says why and the lean forward keeps the library path, which is as exact, only
@@ -26,9 +28,7 @@ slower.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import platform
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 
-from ..calibration.machine import cache_root, cpu_flags
+from ..calibration.machine import cache_root
+from . import build
+from .build import ExtensionBuild
 
 FOLDER = Path(__file__).parent
 #: The extension's sources (the Python module is defined in module.cpp).
@@ -50,14 +52,16 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 
 @cache
+def extension_build() -> ExtensionBuild:
+    """The kernels' build: their sources and flags, kept under ``~/.cache/draftwise/native``."""
+    return ExtensionBuild("draftwise_native", SOURCES, HEADERS, CFLAGS, cache_root() / "native", "draftwise's kernels")
+
+
+@cache
 def build_key() -> str:
-    """What a build depends on: the sources, the flags, torch's version and the CPU's flags."""
-    digest = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                 platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return digest.hexdigest()[:16]
+    """What a build depends on (:attr:`~draftwise.backend.native.build.ExtensionBuild.key`): the sources' contents,
+    the flags, torch's and Python's versions and the CPU's flags."""
+    return extension_build().key
 
 
 @contextlib.contextmanager
@@ -82,20 +86,9 @@ def _ninja_on_path() -> Iterator[None]:
 
 @cache
 def _load() -> tuple[Any | None, str | None]:
-    key = build_key()
-    directory = cache_root() / "native" / key
-    directory.mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils.cpp_extension import load
-
         with _ninja_on_path():
-            module = load(
-                name=f"draftwise_native_{key}",
-                sources=[str(path) for path in SOURCES],
-                extra_cflags=list(CFLAGS),
-                build_directory=str(directory),
-                verbose=False,
-            )
+            module = build.load_extension(extension_build())
     except Exception as error:  # noqa: BLE001 (no compiler, no ninja, a failed build: the library path stays)
         lines = str(error).strip().splitlines()
         return None, f"{type(error).__name__}: {lines[-1] if lines else ''}"

@@ -56,6 +56,12 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
     error where the file is missing, empty, a folder, not an archive (binary, text, a single ``.npy`` array) or a
     truncated or damaged one. No pickles are loaded."""
     path = readable_file(path, what)
+    with open(path, "rb") as handle:
+        start = handle.read(6)
+    if start == b"\x93NUMPY":
+        raise InvalidRequestError(f"{what} {path} is a single numpy array, not an .npz archive")
+    if not start.startswith(b"PK"):
+        raise InvalidRequestError(f"{what} {path} is not a numpy .npz archive (no zip header)")
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:

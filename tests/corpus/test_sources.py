@@ -301,7 +301,7 @@ def test_read_prompt_file_formats(tmp_path):
 def test_read_prompt_file_errors(tmp_path):
     with pytest.raises(InvalidRequestError, match="does not exist"):
         read_prompt_file(tmp_path / "missing.txt")
-    with pytest.raises(InvalidRequestError, match="does not exist"):
+    with pytest.raises(InvalidRequestError, match="is a folder"):
         read_prompt_file(tmp_path)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n")

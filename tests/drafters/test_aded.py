@@ -278,7 +278,7 @@ def test_state_round_trip(tiny_llama, tmp_path):
         ("aded:recycle_top_k=-1", "recycle_top_k"),
         ("aded:recycle_depth=0", "recycle_depth"),
         ("aded:depth=3", "no option depth"),
-        ("aded:corpus=/no/such/store.npz", "not a readable tri-gram store"),
+        ("aded:corpus=/no/such/store.npz", "tri-gram store /no/such/store.npz does not exist"),
     ],
 )
 def test_bad_options_are_refused(spec, message):

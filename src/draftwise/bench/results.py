@@ -12,6 +12,7 @@ from typing import IO, Any
 
 from ..decoding.stats import GenerationStats
 from ..errors import InvalidRequestError
+from ..files import read_text_file
 
 #: The category key of the whole run in a summary.
 OVERALL = "overall"
@@ -106,9 +107,7 @@ def read_results(path: str | Path) -> tuple[dict[str, Any], list[Record]]:
     """The header and records of a results file. A torn last line (the run was killed while writing it) is
     ignored; a repeated run keeps its first record."""
     path = Path(path)
-    if not path.is_file():
-        raise InvalidRequestError(f"results file {path} does not exist")
-    lines = path.read_text(encoding="utf-8").split("\n")
+    lines = read_text_file(path, "results file").split("\n")
     header, records, seen = None, [], set()
     for number, line in enumerate(lines, 1):
         if not line.strip():

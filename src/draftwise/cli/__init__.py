@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except DraftwiseError as error:
-        print(f"draftwise: error: {error}", file=sys.stderr)
+        print(f"draftwise: error: {' '.join(str(error).split())}", file=sys.stderr)  # (one line, whatever it quotes)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -38,7 +38,10 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.prompt_file is not None:
         raise InvalidRequestError("give the prompt as an argument or with --prompt-file, not both")
     if args.prompt_file is not None:
-        return read_text_file(args.prompt_file, "prompt file")
+        text = read_text_file(args.prompt_file, "prompt file")
+        if not text.strip():
+            raise InvalidRequestError(f"prompt file {args.prompt_file} is empty")
+        return text
     if args.prompt is not None and args.prompt != "-":
         return args.prompt
     if sys.stdin.isatty() and args.prompt is None:

@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     for path in args.compare:
         try:
             label, compared_levels = read_results(path)
-        except (OSError, ValueError) as error:
-            raise InvalidRequestError(f"--compare {path}: {error}") from None
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"--compare: {error}") from None
         compared[label] = compared_levels
     reports = []
     if args.no_run:

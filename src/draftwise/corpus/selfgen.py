@@ -8,6 +8,7 @@ from pathlib import Path
 from ..api import generate
 from ..bench.prompts import read_prompts
 from ..errors import InvalidRequestError
+from ..files import read_text_file
 from .sources import check_not_benchmark
 
 
@@ -15,12 +16,10 @@ def read_prompt_file(path: str | Path) -> list[str | list[dict]]:
     """Prompts for self-generation: a jsonl file (``{"prompt"}``, ``{"messages"}`` or ``{"turns"}``: first turn) or a
     text file with one prompt per line. Benchmark prompts are refused."""
     path = check_not_benchmark(path)
-    if not path.is_file():
-        raise InvalidRequestError(f"prompt file {path} does not exist")
     if ".jsonl" in path.suffixes:  # the benchmark's prompt-file format: {"prompt"}, {"messages"} or {"turns"}
         prompts: list[str | list[dict]] = [prompt.conversation(1) for prompt in read_prompts(path)]
     else:
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line for line in read_text_file(path, "prompt file").splitlines() if line.strip()]
     if not prompts:
         raise InvalidRequestError(f"prompt file {path} holds no prompts")
     return prompts

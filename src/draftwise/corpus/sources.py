@@ -28,6 +28,7 @@ import numpy as np
 
 from ..bench.prompts import spec_bench_path
 from ..errors import InvalidRequestError
+from ..files import readable_file
 
 #: File suffixes read as text when walking a folder.
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py", ".jsonl", ".json", ".c", ".h", ".js", ".ts", ".html", ".csv"})
@@ -86,8 +87,11 @@ def read_text_file(path: Path) -> Iterator[str]:
                 yield from documents_of_record(record)
         return
     if opener is gzip.open:
-        with gzip.open(path, "rb") as handle:
-            data = handle.read()
+        try:
+            with gzip.open(path, "rb") as handle:
+                data = handle.read()
+        except (OSError, EOFError) as error:
+            raise InvalidRequestError(f"corpus source {path} is not a readable gzip file ({error})") from None
     else:
         data = path.read_bytes()
     if b"\x00" in data[:4096]:
@@ -195,7 +199,18 @@ def source_documents(spec: str) -> Iterator[str]:
     path = check_not_benchmark(path)
     if path.is_dir():
         return (document for file in folder_files(path) for document in read_text_file(check_not_benchmark(file)))
-    return read_text_file(path)
+    return read_text_file(check_source_file(path))
+
+
+def check_source_file(path: Path) -> Path:
+    """A file named as a corpus source, refused where it is empty or binary (a folder's binary files are skipped;
+    a file named on its own is meant to be read)."""
+    path = readable_file(path, "corpus source")
+    if path.suffix != ".gz":
+        with open(path, "rb") as handle:
+            if b"\x00" in handle.read(4096):
+                raise InvalidRequestError(f"corpus source {path} is a binary file, not text")
+    return path
 
 
 def documents(specs: Iterable[str]) -> Iterator[str]:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 
 from ..decoding.drafter import Drafter, NoDrafter, StepOutcome
-from ..errors import UnknownMethodError, UnsupportedOptionError
+from ..errors import DraftwiseError, InvalidRequestError, UnknownMethodError, UnsupportedOptionError
 from .aded import AdedDrafter
 from .draft_model import DraftModelDrafter
 from .layer_skip import LayerSkipDrafter
@@ -85,7 +85,7 @@ def make_drafter(method: str, **options: object) -> Drafter:
     try:
         return factory(**options)
     except (TypeError, ValueError) as error:
-        raise UnsupportedOptionError(f"bad options for method {name!r}: {error}") from error
+        raise UnsupportedOptionError(f"bad options for method {name!r}: {error}") from None
 
 
 def restore_state(drafter: Drafter, path: str | os.PathLike) -> None:
@@ -95,8 +95,14 @@ def restore_state(drafter: Drafter, path: str | os.PathLike) -> None:
         raise UnsupportedOptionError(
             f"method {drafter.name!r} keeps no state; a state file applies to learning drafters (recycling, aded)"
         )
-    if os.path.exists(path):
+    if not os.path.exists(path):
+        return
+    try:
         drafter.load(path)
+    except DraftwiseError:
+        raise
+    except (KeyError, TypeError, ValueError) as error:
+        raise InvalidRequestError(f"state file {path} is not a saved state of {drafter.name} ({error})") from None
 
 
 def save_state(drafter: Drafter, path: str | os.PathLike) -> None:

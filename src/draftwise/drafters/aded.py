@@ -38,7 +38,7 @@ from ..decoding.verify import greedy_choice
 from .stores.acceptance import AcceptanceTracker
 from .stores.ngram import NGramIndex
 from .stores.successors import SuccessorMatrix, rank_template
-from .stores.trigram import TrigramStore, load_arrays
+from .stores.trigram import TrigramStore
 
 #: Prefix of the recycled predictions' arrays in a saved state.
 RECYCLED = "recycled_"
@@ -380,9 +380,8 @@ class AdedDrafter(Drafter):
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace the store with a saved one (a corpus or a saved state, which brings its recycled predictions)."""
-        self.store, _ = TrigramStore.load(path)
+        self.store, _, arrays = TrigramStore.read(path)
         if self.recycled is not None:
-            arrays = load_arrays(path)
             recycled = {name[len(RECYCLED):]: array for name, array in arrays.items() if name.startswith(RECYCLED)}
             if recycled:  # a corpus has none; a saved state of another width is refused by load_state
                 self.recycled.load_state(recycled)

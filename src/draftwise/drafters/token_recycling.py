@@ -22,6 +22,7 @@ from ..decoding.drafter import Drafter, SequenceSetup, StepOutcome
 from ..decoding.latency import LatencyModel
 from ..decoding.policy import least_paying_score
 from ..decoding.tree import ROOT, DraftTree
+from ..files import read_npz
 from .stores.acceptance import AcceptanceTracker
 from .stores.successors import EMPTY, SuccessorMatrix, rank_template
 
@@ -126,7 +127,10 @@ class TokenRecyclingDrafter(Drafter):
         np.savez_compressed(path, top_k=np.int64(self.top_k), **self.successors.state())
 
     def load(self, path: str | os.PathLike) -> None:
-        with np.load(path, allow_pickle=False) as data:
-            if int(data["top_k"]) != self.top_k:
-                raise ValueError(f"state has top_k={int(data['top_k'])}, this drafter {self.top_k}")
-            self.successors.load_state({name: data[name] for name in data.files})
+        """Restore what :meth:`save` wrote (a file that is not such a state raises a ``ValueError`` saying why)."""
+        data = read_npz(path, "state file")
+        if "top_k" not in data or "matrix" not in data:
+            raise ValueError("not a saved Token Recycling state")
+        if int(data["top_k"]) != self.top_k:
+            raise ValueError(f"state has top_k={int(data['top_k'])}, this drafter {self.top_k}")
+        self.successors.load_state(data)

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.metrics import percentile
+from ..errors import InvalidRequestError
+from ..files import read_text_file
 
 #: The concurrency levels of ``draftwise loadtest --sweep`` without a list.
 DEFAULT_SWEEP = (1, 4, 16)
@@ -340,8 +342,12 @@ def write_results(path: str | Path, label: str, settings: Mapping[str, Any], rep
 
 
 def read_results(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
-    """The label and levels of a results file written by :func:`write_results`."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or "levels" not in data:
-        raise ValueError(f"{path} is not a loadtest results file")
+    """The label and levels of a results file written by :func:`write_results` (one that is not raises
+    :class:`~draftwise.errors.InvalidRequestError` naming it)."""
+    try:
+        data = json.loads(read_text_file(path, "loadtest results file"))
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(f"loadtest results file {path} is not JSON ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("levels"), list):
+        raise InvalidRequestError(f"loadtest results file {path} is not one written by draftwise loadtest --json")
     return str(data.get("label") or Path(path).stem), list(data["levels"])

@@ -186,7 +186,7 @@ def test_bad_datastore_files_are_refused(tmp_path):
         Datastore.load(tmp_path / "missing.npz")
     text = tmp_path / "text.npz"
     text.write_text("not a datastore")
-    with pytest.raises(InvalidRequestError, match="not a draftwise datastore"):
+    with pytest.raises(InvalidRequestError, match="text.npz is not a numpy .npz archive"):
         Datastore.load(text)
     other = tmp_path / "other.npz"
     np.savez(other, weights=np.zeros(3))

@@ -217,9 +217,9 @@ def test_files_that_are_not_stores_are_refused(tmp_path):
         TrigramStore.load(garbage)
     empty = tmp_path / "empty.npz"
     empty.write_bytes(b"")
-    with pytest.raises(ValueError, match="not a readable tri-gram store"):
+    with pytest.raises(ValueError, match="empty.npz is empty"):
         TrigramStore.load(empty)
-    with pytest.raises(ValueError, match="not a readable tri-gram store"):
+    with pytest.raises(ValueError, match="missing.npz does not exist"):
         TrigramStore.load(tmp_path / "missing.npz")
     # A store file whose arrays disagree.
     corrupt = tmp_path / "corrupt.npz"

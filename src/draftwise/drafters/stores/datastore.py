@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import pydivsufsort
 
 from ...errors import InvalidRequestError
+from ...files import read_npz
 
 #: Token id that ends every document; it never matches and a continuation stops at it.
 SEPARATOR = -1
@@ -332,18 +332,13 @@ class Datastore:
     def load(cls, path: str | os.PathLike, tokenizer: Any = None) -> Datastore:
         """Read a datastore written by :meth:`save`; with ``tokenizer``, refuse it if it was built with another."""
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise InvalidRequestError(f"datastore {path} does not exist: build one with `draftwise datastore build`")
+        data = read_npz(path, "datastore")
+        missing = sorted(set(DATASTORE_FIELDS) - set(data))
+        if missing:
+            raise InvalidRequestError(f"datastore {path} is not a draftwise datastore (no {', '.join(missing)})")
         try:
-            data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, zipfile.BadZipFile) as error:
-            raise InvalidRequestError(f"{path} is not a draftwise datastore ({error})") from error
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise InvalidRequestError(f"{path} is not a draftwise datastore (a single array, not an .npz archive)")
-        with data:
-            missing = sorted(set(DATASTORE_FIELDS) - set(data.files))
-            if missing:
-                raise InvalidRequestError(f"{path} is not a draftwise datastore (no {', '.join(missing)})")
             version = int(data["format_version"])
             if version != FORMAT_VERSION:
                 raise InvalidRequestError(f"datastore {path} has format {version}; this version reads {FORMAT_VERSION}")
@@ -354,6 +349,10 @@ class Datastore:
                 str(data["tokenizer_name"]),
                 str(data["tokenizer_fingerprint"]),
             )
+        except (TypeError, ValueError) as error:
+            if isinstance(error, InvalidRequestError):
+                raise
+            raise InvalidRequestError(f"datastore {path} is damaged ({error})") from None
         if tokenizer is not None:
             datastore.check_tokenizer(tokenizer)
         return datastore

@@ -20,6 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ...errors import InvalidRequestError
+from ...files import read_npz
+
 EMPTY = -1
 #: Stands in for the first token of a pair to hold bi-gram rows P(c | b), the back-off of unseen pairs.
 BACKOFF = 0x7FFFFFFF
@@ -229,28 +232,26 @@ class TrigramStore:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> tuple[TrigramStore, dict[str, str]]:
-        """A saved store and its metadata; a file that is not one gives a ``ValueError``."""
-        try:
-            loaded = np.load(path, allow_pickle=False)
-        except (OSError, EOFError, ValueError) as error:
-            raise ValueError(f"{path} is not a readable tri-gram store ({type(error).__name__})") from error
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise ValueError(f"{path} is not a draftwise tri-gram store")
-        try:
-            with loaded as data:
-                if "format" not in data or str(data["format"]) != FORMAT:
-                    raise ValueError(f"{path} is not a draftwise tri-gram store")
-                store = cls(top_k=int(data["top_k"]), max_pairs=int(data["max_pairs"]))
-                store.keys, store.tokens, store.weights = data["keys"], data["tokens"], data["weights"]
-                metadata = {key[5:]: str(data[key]) for key in data.files if key.startswith("meta_")}
-        except (OSError, EOFError, KeyError, ValueError) as error:
-            raise ValueError(f"{path} is not a readable tri-gram store ({error})") from error
-        if store.tokens.shape != (len(store.keys), store.top_k) or store.weights.shape != store.tokens.shape:
-            raise ValueError(f"{path} is corrupt: array shapes disagree")
+        """A saved store and its metadata (see :meth:`read`)."""
+        store, metadata, _ = cls.read(path)
         return store, metadata
 
-
-def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """The further arrays saved beside a tri-gram store (see :meth:`TrigramStore.save`), by name."""
-    with np.load(path, allow_pickle=False) as data:
-        return {key[len("array_"):]: data[key] for key in data.files if key.startswith("array_")}
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> tuple[TrigramStore, dict[str, str], dict[str, np.ndarray]]:
+        """A saved store, its metadata and the further arrays saved beside it (:meth:`save`'s ``arrays``, by name).
+        A file that is not one raises :class:`~draftwise.errors.InvalidRequestError` (a ``ValueError``) naming it
+        and what is wrong."""
+        data = read_npz(path, "tri-gram store")
+        if "format" not in data or str(data["format"]) != FORMAT:
+            raise InvalidRequestError(f"tri-gram store {path} is not a draftwise tri-gram store (one is written by "
+                                      "`draftwise corpus build` or a drafter's saved state)")
+        try:
+            store = cls(top_k=int(data["top_k"]), max_pairs=int(data["max_pairs"]))
+            store.keys, store.tokens, store.weights = data["keys"], data["tokens"], data["weights"]
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidRequestError(f"tri-gram store {path} is damaged ({error})") from None
+        if store.tokens.shape != (len(store.keys), store.top_k) or store.weights.shape != store.tokens.shape:
+            raise InvalidRequestError(f"tri-gram store {path} is damaged: its array shapes disagree")
+        metadata = {key[5:]: str(data[key]) for key in data if key.startswith("meta_")}
+        arrays = {key[len("array_"):]: data[key] for key in data if key.startswith("array_")}
+        return store, metadata, arrays

@@ -64,6 +64,8 @@ def rewrite_gguf(source: Path, destination: Path, dtype: torch.dtype) -> Path:
             writer.add_key_value(name, value, field.types[0], sub_type=field.types[-1])
         else:
             writer.add_key_value(name, value, field.types[0])
+    if "general.file_type" not in reader.fields:
+        writer.add_file_type(file_type)
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         values = values.reshape([int(size) for size in reversed(tensor.shape)])

@@ -31,11 +31,11 @@ ANCHOR_ROWS = ("llama.cpp", "llama.cpp-pld")
 GGUF_TYPES = {torch.float32: ("F32", 0), torch.bfloat16: ("BF16", 32), torch.float16: ("F16", 1)}
 
 
-def source_gguf(name_or_path: str) -> Path:
-    """The GGUF file behind a preset or a ``.gguf`` path."""
+def source_gguf(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF file behind a preset (assembled and checked in ``cache_dir`` where it is split) or a ``.gguf`` path."""
     from ..models import gguf_file_of
 
-    path = gguf_file_of(name_or_path)
+    path = gguf_file_of(name_or_path, cache_dir)
     if path is not None:
         return path
     raise InvalidRequestError(
@@ -86,7 +86,7 @@ def anchor_gguf(name_or_path: str, dtype: torch.dtype, cache_dir: str | os.PathL
     """The model's GGUF file in ``dtype``, rewritten once and kept in the cache folder."""
     from ..backend.calibration.machine import cache_root
 
-    source = source_gguf(name_or_path)
+    source = source_gguf(name_or_path, cache_dir)
     digest = hashlib.sha256(f"{source.resolve()}:{source.stat().st_size}".encode()).hexdigest()[:12]
     folder = Path(cache_dir) if cache_dir is not None else cache_root()
     destination = folder / "gguf" / f"{source.stem}-{digest}-{GGUF_TYPES[dtype][0].lower()}.gguf"

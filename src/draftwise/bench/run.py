@@ -620,7 +620,7 @@ class Benchmark:
         wanted = [method for method in settings.methods if method in ANCHOR_ROWS]
         if wanted:
             if getattr(model, "weights", None) == "file":  # the very file the target runs, as shipped
-                gguf = source_gguf(settings.model)
+                gguf = source_gguf(settings.model, settings.load.cache_dir)
             else:  # the file's matrices at the width the target reads them
                 gguf = anchor_gguf(settings.model, model.dtype, settings.load.cache_dir)
             config["anchor_gguf"] = gguf.name

@@ -123,8 +123,8 @@ def _serve_on_ray(args: argparse.Namespace, options: LoadOptions) -> int:
         raise InvalidRequestError(f"--ray needs its extra: pip install 'draftwise[ray]' ({error})") from None
     cpus = args.cpus_per_replica if args.cpus_per_replica is not None else float(args.threads or 1)
     gpus = args.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if options.device.startswith("cuda") else 0.0
+    if gpus is None:  # (device auto: a GPU where this machine has one)
+        gpus = 1.0 if options.resolved_device.type == "cuda" else 0.0
     name = args.served_model_name or args.model
     app = build_app(args.model, served_model_name=name, method=args.method, replicas=replicas,
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,

@@ -324,7 +324,8 @@ class DraftModelDrafter(Drafter):
             18.9 ms a step); or 16. A quantised draft keeps its own cache in float16 (the default beside quantised
             weights, see :func:`draftwise.load_model`'s ``kv_cache_dtype``): like its precision, it moves acceptance
             at most.
-        cache_dir: where converted checkpoints are kept.
+        cache_dir: where the draft's converted checkpoint or packed weights are kept (default: the target's cache
+            folder).
 
     ``model="self"`` drafts with the target's own model quantised (a target from :func:`draftwise.load_model`), by
     default as ``q4_0``: a quantised copy of a full-precision target that shares its tokenizer by construction. A
@@ -628,6 +629,8 @@ def load_draft(name: str, target: Target, backend: str = "auto", cache_dir: str 
         weights = "q4_0"  # (see DraftModelDrafter's weights)
     kind = (target.weights or "float") if weights is None else weights
     dtype = target.dtype if kind == "float" else "auto"
+    if cache_dir is None and target.options is not None:
+        cache_dir = target.options.cache_dir
     draft, tokenizer = load_model(name, dtype=dtype, device=target.device, backend=backend, cache_dir=cache_dir,
                                   calibrate=False, progress=True, weights=kind, activation_bits=activation_bits)
     check_same_vocabulary(target, draft, tokenizer, name)

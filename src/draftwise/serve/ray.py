@@ -320,6 +320,9 @@ def build_app(
     if options is not None and options.device.startswith("cuda") and gpus_per_replica == 0:
         raise InvalidRequestError("a CUDA device needs gpus_per_replica > 0 (Ray gives a replica only the GPUs it "
                                   "reserves)")
+    if options is not None and options.torch_compile and gpus_per_replica == 0:
+        raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: it needs a CUDA device, which a "
+                             "replica gets only with gpus_per_replica > 0")
     _check_model(model)
     if served_model_name is None:
         if not isinstance(model, str):

@@ -63,9 +63,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, options: LoadOptions | None = 
         target, tokenizer = _load_file_weights(name_or_path, options, device, activation_bits)
     elif weights != "float" and options.backend != "transformers" and device.type == "cpu" and \
             native.load_kernels(warn=False) is not None:
-        if options.dtype not in ("auto", "float32"):
-            raise UnsupportedModelError(f"{weights} weights take float32 activations on the CPU kernels, not "
-                                        f"{options.dtype}")
+        _check_float32_activations(options, f"{weights} weights on the CPU kernels")
         target, tokenizer = _load_requantized(name_or_path, options, weights, activation_bits, progress)
     else:
         folder = resolve_checkpoint(name_or_path, options.cache_dir, progress)
@@ -88,11 +86,16 @@ def _load_file_weights(name_or_path: str, options: LoadOptions, device: Any,
         resolve_checkpoint(name_or_path, options.cache_dir, progress=False)  # raises the error for what the name is
     if options.backend == "transformers":
         raise UnsupportedModelError("a GGUF file's own blocks run on the lean backend, not transformers'")
-    if options.dtype not in ("auto", "float32"):
-        raise UnsupportedModelError(f"a GGUF file's own blocks take float32 activations, not {options.dtype}")
+    _check_float32_activations(options, "a GGUF file's own blocks")
     target, tokenizer = file_target(gguf_file, options, device, activation_bits)
     finish_target(target, options)
     return target, tokenizer
+
+
+def _check_float32_activations(options: LoadOptions, what: str) -> None:
+    """Quantised products take float32 activations: refuse another dtype asked for beside them."""
+    if options.dtype not in ("auto", "float32"):
+        raise UnsupportedModelError(f"{what} take float32 activations, not {options.dtype}")
 
 
 def _load_requantized(name_or_path: str, options: LoadOptions, weights: str, activation_bits: int,

@@ -16,7 +16,7 @@ import torch
 
 from ..backend.calibration.machine import auto_dtype
 from ..backend.forward.lean import KV_CACHE_DTYPES, named_kv_cache_dtype
-from ..backend.weights.quantized import ACTIVATION_BITS
+from ..backend.weights.quantized import check_activation_bits
 from ..errors import ModelLoadError, UnsupportedModelError
 
 #: Float dtypes a model can be loaded in (``"auto"``: bfloat16 where the device computes it natively, else float32).
@@ -29,6 +29,13 @@ BACKENDS = ("auto", "lean", "transformers")
 WEIGHTS = ("file", "q8_0", "q4_0", "float")
 #: Cache dtypes ``kv_cache_dtype`` can name besides ``"auto"``.
 KV_CACHE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+
+
+def check_compile_device(device: torch.device) -> None:
+    """Refuse ``torch_compile`` on ``device`` unless it is a CUDA device (it compiles the GPU's fixed-shape step)."""
+    if device.type != "cuda":
+        raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: it needs a CUDA device (on CPUs the "
+                             f"lean forward runs kernels built for the machine), not {device}")
 
 
 def default_device() -> str:
@@ -101,10 +108,11 @@ class LoadOptions:
             raise ModelLoadError(f"unknown backend {self.backend!r}; backends: {', '.join(BACKENDS)}")
         if self.weights is not None and self.weights not in WEIGHTS:
             raise ModelLoadError(f"unknown weights {self.weights!r}; weights: {', '.join(WEIGHTS)}")
-        if self.activation_bits is not None and (isinstance(self.activation_bits, bool)
-                                                 or self.activation_bits not in ACTIVATION_BITS):
-            raise ModelLoadError(f"unknown activation_bits {self.activation_bits!r}; activation bits: "
-                                 f"{', '.join(map(str, ACTIVATION_BITS))}")
+        if self.activation_bits is not None:
+            try:
+                check_activation_bits(self.activation_bits)
+            except ValueError as error:
+                raise ModelLoadError(str(error)) from None
         if self.kv_cache_dtype is None:
             normalise("kv_cache_dtype", "auto")
         try:
@@ -125,9 +133,8 @@ class LoadOptions:
         if self.torch_compile:
             if self.backend == "transformers":
                 raise ModelLoadError("torch_compile compiles the lean forward's step, not the transformers backend's")
-            if self.device != "auto" and torch.device(self.device).type != "cuda":
-                raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: it needs a CUDA device (on "
-                                     "CPUs the lean forward runs kernels built for the machine)")
+            if self.device != "auto":
+                check_compile_device(torch.device(self.device))
 
     @classmethod
     def of(cls, options: LoadOptions | None = None, **changes: Any) -> LoadOptions:
@@ -153,8 +160,8 @@ class LoadOptions:
     def resolved_device(self) -> torch.device:
         """The device the model loads on (``"auto"`` decided now)."""
         device = torch.device(default_device() if self.device == "auto" else self.device)
-        if self.torch_compile and device.type != "cuda":
-            raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: no CUDA device here")
+        if self.torch_compile:
+            check_compile_device(device)
         return device
 
     def resolved_dtype(self, quantized: bool) -> torch.dtype:

@@ -17,7 +17,7 @@ from ..backend.forward.lean import LeanTarget, model_device, named_kv_cache_dtyp
 from ..backend.target import Target, TransformersTarget
 from ..backend.transformers_patches import use_grouped_query_sdpa, use_row_efficient_linear
 from ..errors import ModelLoadError, UnsupportedModelError
-from .options import LoadOptions
+from .options import LoadOptions, check_compile_device
 from .presets import PRESETS
 
 
@@ -69,9 +69,8 @@ def make_target(model: Any, options: LoadOptions | None = None, *, gguf_file: st
     """
     options = LoadOptions.of(options, **changes)
     device = model_device(model)
-    if options.torch_compile and device.type != "cuda":
-        raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: it needs a CUDA device (on CPUs the "
-                             "lean forward runs kernels built for the machine)")
+    if options.torch_compile:
+        check_compile_device(device)
     weights = None if options.weights == "float" else options.weights
     backend = options.backend
     reason = unsupported_reason(model)

@@ -74,15 +74,20 @@ def _slow_compiler(folder: Path, started: Path, seconds: int) -> Path:
     return script
 
 
+def _wait_for_the_compiler(builder: subprocess.Popen, started: Path) -> None:
+    """Until ``builder``'s slow compiler has started (it then holds the build lock)."""
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert builder.poll() is None, builder.stdout.read()
+        assert time.monotonic() < deadline, "the build never reached the compiler"
+        time.sleep(0.1)
+
+
 def test_a_build_killed_mid_way_leaves_nothing_that_blocks_the_next(tmp_path):
     sources, builds = _sources(tmp_path / "sources"), tmp_path / "builds"
     started = tmp_path / "compiler-started"
     killed = _builder(sources, builds, _slow_compiler(tmp_path, started, 60))
-    deadline = time.monotonic() + 120
-    while not started.exists():
-        assert killed.poll() is None, killed.stdout.read()
-        assert time.monotonic() < deadline, "the build never reached the compiler"
-        time.sleep(0.1)
+    _wait_for_the_compiler(killed, started)
     os.killpg(killed.pid, signal.SIGKILL)  # the build and its compiler, mid-way
     killed.wait()
     assert list(builds.glob("*/staging-*")), "the killed build should have left its staging folder"
@@ -99,11 +104,7 @@ def test_a_second_process_waits_for_the_build_and_loads_it(tmp_path):
     sources, builds = _sources(tmp_path / "sources"), tmp_path / "builds"
     started = tmp_path / "compiler-started"
     first = _builder(sources, builds, _slow_compiler(tmp_path, started, 3))
-    deadline = time.monotonic() + 120
-    while not started.exists():
-        assert first.poll() is None, first.stdout.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _wait_for_the_compiler(first, started)
     second = _builder(sources, builds)
     second_lines = _finish(second)
     first_lines = _finish(first)

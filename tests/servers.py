@@ -27,11 +27,12 @@ def free_port() -> int:
 class RunningServer:
     """A uvicorn server on a thread, on a free loopback port."""
 
-    def __init__(self, engine: ServingEngine, default_max_tokens: int = 24, model: str = MODEL) -> None:
+    def __init__(self, engine: ServingEngine, default_max_tokens: int = 24, model: str = MODEL,
+                 **app_options) -> None:
         self.engine = engine
         self.port = free_port()
-        config = uvicorn.Config(create_app(engine, model, default_max_tokens), host="127.0.0.1", port=self.port,
-                                log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(create_app(engine, model, default_max_tokens, **app_options), host="127.0.0.1",
+                                port=self.port, log_level="warning", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -40,7 +41,8 @@ class RunningServer:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
         self.base = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key=app_options.get("api_key") or "none",
+                                    max_retries=0, timeout=60)
 
     def stop(self) -> None:
         self.server.should_exit = True

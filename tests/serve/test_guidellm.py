@@ -39,8 +39,10 @@ def server(smollm):
     running.stop()
 
 
-def run_guidellm(url: str, stream: bool, output: str) -> dict:
+def run_guidellm(url: str, stream: bool, output: str, api_key: str | None = None) -> dict:
     backend = {"kind": "openai_http", "target": url, "stream": stream, "extras": {"body": {"temperature": 0}}}
+    if api_key is not None:
+        backend["api_key"] = api_key
     command = [
         sys.executable, "-m", "guidellm", "run",
         "--backend", json.dumps(backend),
@@ -93,3 +95,16 @@ def test_guidellm_runs_without_errors_and_gets_generates_answers(server, smollm,
         expected = draftwise.generate(model, tokenizer, [{"role": "user", "content": text}], method="ar",
                                       max_new_tokens=OUTPUT_TOKENS, ignore_eos=True)
         assert request["output"] == expected.text
+
+
+def test_guidellm_passes_the_servers_api_key(smollm, tmp_path):
+    model, tokenizer = smollm
+    keyed = RunningServer(ServingEngine(model, tokenizer, "pld", max_batch=4, max_prefill_rows=256),
+                          model="smollm2-135m", api_key="sk-guidellm-test")
+    try:
+        benchmark = run_guidellm(keyed.base, True, str(tmp_path / "guidellm.json"), api_key="sk-guidellm-test")
+    finally:
+        keyed.stop()
+    requests = benchmark["requests"]
+    assert not requests["errored"] and not requests["incomplete"], requests["errored"][:1]
+    assert REQUESTS - 1 <= len(requests["successful"]) <= REQUESTS

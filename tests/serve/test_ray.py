@@ -294,3 +294,8 @@ def test_replica_limits_and_bad_options():
         build_app("smollm2-135m", torch_compile=True)
     with pytest.raises(InvalidRequestError, match="gpus_per_replica"):
         build_app("smollm2-135m", device="cuda")
+    with pytest.raises(InvalidRequestError, match="API key is empty"):
+        build_app("smollm2-135m", api_key="  ")
+    with pytest.raises(InvalidRequestError, match="protect_metrics"):
+        build_app("smollm2-135m", protect_metrics=True)
+    assert build_app("smollm2-135m", api_key="sk-key", protect_metrics=True) is not None

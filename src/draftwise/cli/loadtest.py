@@ -10,6 +10,7 @@ import sys
 
 from ..errors import DraftwiseError, InvalidRequestError
 from ..models import DEFAULT_MODEL
+from ..serve.access import API_KEY_VARIABLE
 from ..serve.load import DEFAULT_REQUESTS_PER_CLIENT, DEFAULT_SWEEP
 
 #: Concurrent requests of one level unless told otherwise.
@@ -48,6 +49,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     loadtest.add_argument("--extra-body", default=None, metavar="JSON",
                           help="more fields for every request, e.g. a server's own options")
     loadtest.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the first level")
+    loadtest.add_argument("--api-key", default=None,
+                          help=f"the server's API key, sent as 'Authorization: Bearer KEY' (default: the "
+                          f"{API_KEY_VARIABLE} environment variable where set)")
     loadtest.add_argument("--label", default=None, help="the server's name in tables and charts (default: --url)")
     loadtest.add_argument("--json", default=None, help="write the levels here (read back by --compare)")
     loadtest.add_argument("--plot", default=None, help="PNG chart: output tok/s, TTFT and ITL against concurrency")
@@ -185,7 +189,7 @@ def _run_loadtest(args: argparse.Namespace, levels: list[int]) -> list:
     reports = sweep(args.url, args.model, prompts, levels, args.max_tokens, requests=args.requests,
                     per_client=args.per_client, warmup=args.warmup, on_level=progress, chat=not args.completions,
                     stream=not args.no_stream, ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature,
-                    extra_body=extra_body)
+                    extra_body=extra_body, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE))
     if args.json:
         settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
                     "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..api import DEFAULT_METHOD
@@ -10,6 +11,8 @@ from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
 from ..errors import InvalidRequestError
 from ..models import LoadOptions
+from ..files import read_text_file
+from ..serve.access import API_KEY_VARIABLE, exposure_warning
 from ..serve.defaults import DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAITING
 from . import common
 from .common import add_model_arguments, load_options, settle_heap
@@ -34,6 +37,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                        help=f"tokens generated when a request gives no max_tokens (default {DEFAULT_MAX_TOKENS})")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    access = serve.add_argument_group("access control")
+    access.add_argument("--api-key", default=None,
+                        help=f"requests must carry 'Authorization: Bearer KEY' (default: the {API_KEY_VARIABLE} "
+                        "environment variable where set, as vLLM's server; else no key)")
+    access.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+    access.add_argument("--protect-metrics", action="store_true",
+                        help="/metrics needs the API key too (default: open to scrapers, as /health)")
     ray_group = serve.add_argument_group("scale-out on Ray Serve (pip install 'draftwise[ray]')")
     ray_group.add_argument("--ray", action="store_true", help="run replicas of the server on Ray Serve")
     ray_group.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
@@ -49,6 +59,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                            help="ignore the x-session-id header (power-of-two-choices routing for every request)")
     add_model_arguments(serve)
     serve.set_defaults(handler=run)
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The API key the server asks for: ``--api-key``, the first line of ``--api-key-file``, or the
+    :data:`API_KEY_VARIABLE` environment variable; ``None`` where none is given."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise InvalidRequestError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        lines = read_text_file(args.api_key_file, "API key file").strip().splitlines()
+        if not lines or not lines[0].strip():
+            raise InvalidRequestError(f"API key file {args.api_key_file} is empty")
+        return lines[0].strip()
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    if key is not None and not key.strip():
+        raise InvalidRequestError("the API key is empty")
+    if args.protect_metrics and key is None:
+        raise InvalidRequestError("--protect-metrics asks for the API key on /metrics: give one with --api-key")
+    return key
 
 
 def _serve_dependencies():
@@ -70,8 +98,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--max-batch, --max-waiting, --max-prefill-rows and --default-max-tokens must be "
                                   "positive")
     options = load_options(args)
+    api_key = api_key_of(args)
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(f"draftwise: warning: {warning}", file=sys.stderr)
     if args.ray:
-        return _serve_on_ray(args, options)
+        return _serve_on_ray(args, options, api_key)
     ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
                                          ("--address", args.address), ("--cpus-per-replica", args.cpus_per_replica),
                                          ("--gpus-per-replica", args.gpus_per_replica)) if value is not None]
@@ -91,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     engine = on_passing_thread(build)
     settle_heap()
     name = args.served_model_name or args.model
-    app = create_app(engine, name, args.default_max_tokens)
+    app = create_app(engine, name, args.default_max_tokens, api_key=api_key, protect_metrics=args.protect_metrics)
     print(f"draftwise: serving {name} with {args.method} on http://{args.host}:{args.port}/v1 "
           f"(batch up to {args.max_batch})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -108,7 +140,7 @@ def _autoscale_range(text: str | None) -> tuple[int, int] | None:
     return low, high
 
 
-def _serve_on_ray(args: argparse.Namespace, options: LoadOptions) -> int:
+def _serve_on_ray(args: argparse.Namespace, options: LoadOptions, api_key: str | None) -> int:
     """``draftwise serve --ray``: the same server, its replicas run by Ray Serve."""
     autoscale = _autoscale_range(args.autoscale)
     if autoscale is not None and args.replicas is not None:
@@ -130,7 +162,8 @@ def _serve_on_ray(args: argparse.Namespace, options: LoadOptions) -> int:
                     autoscale=autoscale, cpus_per_replica=cpus, gpus_per_replica=gpus,
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,
                     max_prefill_rows=args.max_prefill_rows, default_max_tokens=args.default_max_tokens,
-                    session_affinity=not args.no_session_affinity, options=options)
+                    session_affinity=not args.no_session_affinity, api_key=api_key,
+                    protect_metrics=args.protect_metrics, options=options)
     scale = f"{autoscale[0]} to {autoscale[1]} replicas" if autoscale else f"{replicas} replica(s)"
     print(f"draftwise: serving {name} with {args.method} on Ray Serve, {scale} of {cpus:g} CPU(s), "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -3,6 +3,10 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent
 events, one event per generated token), ``GET /health`` and ``GET /metrics`` (Prometheus).
 
+With an API key (:func:`create_app`'s ``api_key``) every request but ``GET /health`` (and ``GET /metrics``, unless
+``protect_metrics``) must carry ``Authorization: Bearer KEY``; others are answered 401 in OpenAI's error shape
+(:class:`APIKeyCheck`).
+
 Every response carries the request's speculation statistics in the extension field ``draftwise`` (in a stream: in
 the chunk that carries the finish reason, and in the usage chunk):
 ``method``, ``steps`` (forward passes), ``mean_accepted_tokens`` (new tokens / steps), ``mean_acceptance_length``
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -339,13 +344,18 @@ class Server:
 
 
 def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int = DEFAULT_MAX_TOKENS, *,
-               manage_engine: bool = True, replica: str | None = None) -> FastAPI:
+               manage_engine: bool = True, replica: str | None = None, api_key: str | None = None,
+               protect_metrics: bool = False) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_name``.
 
     With ``manage_engine`` the engine starts and stops with the app; without it the caller owns the engine's
     worker thread (a Ray Serve replica starts it in its constructor and stops it when the replica goes).
     ``replica`` names this copy of the server in every response's ``x-draftwise-replica`` header (scale-out).
+    ``api_key``: requests must carry ``Authorization: Bearer <api_key>`` (``/health`` stays open, and ``/metrics``
+    unless ``protect_metrics``); ``None`` serves anyone who can reach the port.
     """
+    if api_key is not None and not api_key.strip():
+        raise InvalidRequestError("the API key is empty")
     server = Server(engine, model_name, default_max_tokens)
 
     @asynccontextmanager
@@ -363,6 +373,9 @@ def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int =
     app.state.server = server
     if replica is not None:
         app.add_middleware(ReplicaHeader, replica=replica)
+    if api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=api_key,
+                           open_paths=("/health",) if protect_metrics else ("/health", "/metrics"))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -401,6 +414,30 @@ def create_app(engine: ServingEngine, model_name: str, default_max_tokens: int =
         return await server.handle("chat.completion", body, request)
 
     return app
+
+
+class APIKeyCheck:
+    """ASGI middleware: a request must carry ``Authorization: Bearer <api_key>`` (compared in constant time) unless
+    its path is one of ``open_paths``; otherwise it is answered 401 in OpenAI's error shape (code
+    ``invalid_api_key``), as OpenAI's API and vLLM's ``--api-key`` do, before any route sees it."""
+
+    def __init__(self, app: Any, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope.get("headers", []) if name == b"authorization"), b"")
+        if secrets.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        message = ("no API key given: send the header Authorization: Bearer <key>" if not given else
+                   "incorrect API key provided")
+        refusal = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await refusal.response()(scope, receive, send)
 
 
 class ReplicaHeader:

@@ -146,6 +146,7 @@ async def run_load(
     temperature: float = 0.0,
     extra_body: Mapping[str, Any] | None = None,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> LoadReport:
     """Send ``requests`` requests (prompt ``i % len(prompts)``), at most ``concurrency`` at once.
 
@@ -157,12 +158,13 @@ async def run_load(
         ignore_eos: ask for exactly ``max_tokens`` tokens (vLLM's ``ignore_eos``, as guidellm sends for fixed
             output lengths).
         extra_body: more fields for every request's body (a server's own options).
+        api_key: sent as ``Authorization: Bearer <api_key>`` (a server started with one).
     """
     from openai import AsyncOpenAI
 
     report = LoadReport(requests=requests, concurrency=concurrency, stream=stream)
     gate = asyncio.Semaphore(concurrency)
-    client = AsyncOpenAI(base_url=base_url, api_key="none", timeout=timeout_s, max_retries=0)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s, max_retries=0)
     options: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
     if stream:
         options["stream_options"] = {"include_usage": True}
@@ -229,12 +231,16 @@ def _server_root(base_url: str) -> str:
     return root.removesuffix("/v1")
 
 
-def read_speculation_counters(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
-    """A draftwise server's speculation and token counters from ``/metrics``; ``None`` for other servers."""
+def read_speculation_counters(base_url: str, timeout_s: float = 10.0,
+                              api_key: str | None = None) -> dict[str, float] | None:
+    """A draftwise server's speculation and token counters from ``/metrics`` (asked with ``api_key`` where given);
+    ``None`` for other servers."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        with urllib.request.urlopen(_server_root(base_url) + "/metrics", timeout=timeout_s) as answer:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        request = urllib.request.Request(_server_root(base_url) + "/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             text = answer.read().decode()
     except OSError:
         return None
@@ -308,10 +314,11 @@ def sweep(
         asyncio.run(run_load(base_url, model, prompts, warmup, 1, max_tokens, **options))
     reports = []
     for concurrency in concurrencies:
-        before = read_speculation_counters(base_url)
+        api_key = options.get("api_key")
+        before = read_speculation_counters(base_url, api_key=api_key)
         count = requests if requests is not None else requests_for(concurrency, per_client)
         report = asyncio.run(run_load(base_url, model, prompts, count, concurrency, max_tokens, **options))
-        report.speculation = speculation_between(before, read_speculation_counters(base_url))
+        report.speculation = speculation_between(before, read_speculation_counters(base_url, api_key=api_key))
         reports.append(report)
         if on_level is not None:
             on_level(report)

@@ -63,6 +63,7 @@ class ReplicaSpec:
         method: the decoding method of every request.
         threads: torch threads per replica (``None``: torch's default, every core of the node).
         options: how a model name is loaded (:class:`~draftwise.models.LoadOptions`; ``None``: the defaults).
+        api_key, protect_metrics: who may use the replicas (see :func:`~draftwise.serve.app.create_app`).
     """
 
     model: str | ModelLoader
@@ -75,6 +76,8 @@ class ReplicaSpec:
     threads: int | None = None
     max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS
     options: LoadOptions | None = None
+    api_key: str | None = None
+    protect_metrics: bool = False
 
 
 class RayServerMetrics(ServerMetrics):
@@ -206,7 +209,8 @@ class DraftwiseReplica:
     def __serve_build_asgi_app__(self) -> Any:
         replica = serve.get_replica_context().replica_tag  # the `replica` tag of Ray's metrics too
         return create_app(self.engine, self.spec.served_model_name, self.spec.default_max_tokens,
-                          manage_engine=False, replica=replica)
+                          manage_engine=False, replica=replica, api_key=self.spec.api_key,
+                          protect_metrics=self.spec.protect_metrics)
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose decoding thread has died is replaced."""
@@ -282,6 +286,8 @@ def build_app(
     max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS,
     session_affinity: bool = True,
     health_check_period_s: float = 5.0,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
     options: LoadOptions | None = None,
     **load_options: Any,
 ) -> serve.Application:
@@ -302,6 +308,8 @@ def build_app(
         session_affinity: route by the ``x-session-id`` header (:class:`SessionAffinityRouter`); otherwise Ray's
             default power-of-two-choices routing.
         health_check_period_s: how often Serve calls each replica's health check.
+        api_key: requests must carry ``Authorization: Bearer <api_key>`` (``/health`` stays open, and ``/metrics``
+            unless ``protect_metrics``); ``None``: anyone who reaches Serve's proxy may use the replicas.
         options: how each replica loads a model name (:class:`~draftwise.models.LoadOptions`, checked here, before
             any replica starts); ``load_options``: any of its fields as keywords instead or on top. A loader
             function loads the model itself, and takes none.
@@ -324,6 +332,10 @@ def build_app(
         raise ModelLoadError("torch_compile compiles the GPU's fixed-shape step: it needs a CUDA device, which a "
                              "replica gets only with gpus_per_replica > 0")
     _check_model(model)
+    if api_key is not None and not api_key.strip():
+        raise InvalidRequestError("the API key is empty")
+    if protect_metrics and api_key is None:
+        raise InvalidRequestError("protect_metrics asks for the API key on /metrics: give an api_key")
     if served_model_name is None:
         if not isinstance(model, str):
             raise InvalidRequestError("served_model_name is required when the model comes from a loader function")
@@ -334,7 +346,8 @@ def build_app(
     spec = ReplicaSpec(model=model, served_model_name=served_model_name, method=method, max_batch=max_batch,
                        max_waiting=max_waiting, budget=budget, default_max_tokens=default_max_tokens,
                        max_prefill_rows=max_prefill_rows,
-                       threads=threads or max(1, round(cpus_per_replica)), options=options)
+                       threads=threads or max(1, round(cpus_per_replica)), options=options, api_key=api_key,
+                       protect_metrics=protect_metrics)
     max_ongoing, target_ongoing = replica_limits(max_batch, max_waiting)
     deployment_options: dict[str, Any] = {
         "name": "DraftwiseReplica",

@@ -10,8 +10,8 @@ from ..api import DEFAULT_METHOD
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
 from ..errors import InvalidRequestError
-from ..models import LoadOptions
 from ..files import read_text_file
+from ..models import LoadOptions
 from ..serve.access import API_KEY_VARIABLE, exposure_warning
 from ..serve.defaults import DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAITING
 from . import common

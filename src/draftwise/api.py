@@ -121,9 +121,12 @@ class StopSequences:
         tail = self.tokenizer.decode(output_ids[-self.window :], skip_special_tokens=False)
         return any(text in tail for text in self.stop)
 
-    def cut(self, text: str, keep_stop: bool = False) -> str:
-        """``text`` up to the first stop sequence in it (up to its end with ``keep_stop``)."""
-        found = [(text.find(stop), len(stop)) for stop in self.stop if stop in text]
+    def cut(self, text: str, keep_stop: bool = False, after: int = 0) -> str:
+        """``text`` up to the first stop sequence in it that ends beyond its first ``after`` characters (the text of
+        the tokens generated before stop sequences were looked for: ``min_new_tokens``), up to the stop's end with
+        ``keep_stop``."""
+        found = [(start, len(stop)) for stop in self.stop
+                 if (start := text.find(stop, max(0, after - len(stop) + 1))) >= 0]
         if not found:
             return text
         start, size = min(found)
@@ -140,24 +143,36 @@ class StopSequences:
         return longest
 
 
+def unstoppable_characters(tokenizer: Any, output_ids: Sequence[int], min_new_tokens: int,
+                           skip_special_tokens: bool = True) -> int:
+    """How many leading characters of the output's text its first ``min_new_tokens`` tokens make: a stop sequence
+    that ends within them does not end the text (they were generated before stop sequences were looked for)."""
+    if min_new_tokens <= 0:
+        return 0
+    return len(_decode_text(tokenizer, output_ids[:min_new_tokens], skip_special_tokens))
+
+
 class SettledText:
     """The text of a growing output, handed out as it settles: text that could still turn out to be the start of a
     stop sequence, or an incomplete character, is held back until the next tokens decide it; at the end the text is
     cut before a matched stop sequence. The pieces join to exactly the final text."""
 
     def __init__(self, tokenizer: Any, stops: StopSequences | None = None, keep_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_new_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
         self.keep_stop = keep_stop  # the matched stop sequence stays in the text
         self.skip_special_tokens = skip_special_tokens
+        self.min_new_tokens = min_new_tokens  # (stop sequences end the text only after these tokens)
         self.sent = 0
 
     def advance(self, output_ids: Sequence[int], finished: bool) -> str:
         """The newly settled text of ``output_ids`` (the whole output so far); ``""`` when nothing settled."""
         text = _decode_text(self.tokenizer, output_ids, self.skip_special_tokens)
         if finished:
-            text = self.stops.cut(text, self.keep_stop) if self.stops else text
+            if self.stops:
+                text = self.stops.cut(text, self.keep_stop, unstoppable_characters(
+                    self.tokenizer, output_ids, self.min_new_tokens, self.skip_special_tokens))
             ready = len(text)
         else:
             ready = len(text) - (self.stops.held_back(text) if self.stops else 0)
@@ -212,6 +227,14 @@ def check_request(limit: int, prompt_ids: Sequence[int], max_new_tokens: int, bu
         )
 
 
+def check_min_new_tokens(min_new_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a ``min_new_tokens`` that is not a whole number from 0 to ``max_new_tokens`` (checked already)."""
+    if (isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int)
+            or not 0 <= min_new_tokens <= max_new_tokens):
+        raise InvalidRequestError(f"min_new_tokens must be a whole number from 0 to max_new_tokens "
+                                  f"({max_new_tokens}), got {min_new_tokens!r}")
+
+
 class GenerationStream:
     """Iterator over text pieces as tokens are accepted: strings for one prompt, ``(index, piece)`` pairs for a batch
     of prompts. Once it is exhausted, :attr:`result` (one prompt) or :attr:`results` (a batch) holds what
@@ -257,6 +280,7 @@ def stream(
     sampling: SamplingParams | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     ignore_eos: bool = False,
+    min_new_tokens: int = 0,
     logprobs: int | None = None,
     **options: Any,
 ) -> GenerationStream:
@@ -270,10 +294,11 @@ def stream(
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
                                        chat_template, budget, method_options, sampling, options, ignore_eos,
-                                       logprobs)
+                                       logprobs, min_new_tokens)
 
     def pieces() -> Iterator[Any]:
-        texts = [SettledText(request.tokenizer, request.stops) for request in requests]
+        texts = [SettledText(request.tokenizer, request.stops, min_new_tokens=request.min_new_tokens)
+                 for request in requests]
         for index, state in _decode(target, requests, budget, latency, max_batch, holder):
             piece = texts[index].advance(state.output, state.finished)
             if piece:
@@ -298,6 +323,7 @@ def generate(
     sampling: SamplingParams | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     ignore_eos: bool = False,
+    min_new_tokens: int = 0,
     logprobs: int | None = None,
     **options: Any,
 ) -> GenerationResult | list[GenerationResult]:
@@ -328,6 +354,9 @@ def generate(
             prompt's tokens are the ones it gets decoded alone.
         ignore_eos: go on past end-of-sequence tokens up to ``max_new_tokens`` (fixed-length runs, as vLLM's
             ``ignore_eos``); stop sequences still end generation.
+        min_new_tokens: generate at least this many tokens (per prompt) before an end-of-sequence token or a stop
+            sequence may end generation (transformers' ``min_new_tokens``, vLLM's ``min_tokens``): until then the
+            end tokens cannot be chosen, in plain decoding and in every verification row alike.
         logprobs: keep each generated token's log-probability with this many alternatives (0 to 20) in
             ``result.logprobs``: log-softmax of the raw logits in float32 (before temperature and the other sampling
             options), from the verification row that decided the token, so exactly plain decoding's.
@@ -349,7 +378,7 @@ def generate(
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
                                        chat_template, budget, method_options, sampling, options, ignore_eos,
-                                       logprobs)
+                                       logprobs, min_new_tokens)
     for _ in _decode(target, requests, budget, latency, max_batch, holder):
         pass
     return holder["results"] if batch else holder["results"][0]
@@ -366,6 +395,7 @@ class _Request:
     eos: list[int] = field(default_factory=list)
     sampling: SamplingParams | None = None
     logprobs: int | None = None
+    min_new_tokens: int = 0
 
 
 def make_sampling(sampling: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:
@@ -421,7 +451,8 @@ def _batch_of(prompt: Any, prompt_ids: Any) -> tuple[list[Any], list[Any], bool]
 
 
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
-             method_options, sampling, options, ignore_eos, logprobs) -> tuple[Target, list[_Request], bool]:
+             method_options, sampling, options, ignore_eos, logprobs,
+             min_new_tokens) -> tuple[Target, list[_Request], bool]:
     prompts, ids_list, batch = _batch_of(prompt, prompt_ids)
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
@@ -437,6 +468,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
     for index, (text, ids) in enumerate(zip(prompts, ids_list)):
         ids = encode_prompt(tokenizer, text, chat_template) if ids is None else [int(token) for token in ids]
         check_request(target.context_length, ids, max_new_tokens, budget)
+        check_min_new_tokens(min_new_tokens, max_new_tokens)
         # Later prompts of a batch draft with forks: what a drafter learns, and a draft model it loads, is shared.
         drafter = first_drafter if index == 0 else first_drafter.fork()
         requests.append(_Request(
@@ -449,6 +481,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
             eos=eos,
             sampling=sampling,
             logprobs=logprobs,
+            min_new_tokens=min_new_tokens,
         ))
     return target, requests, batch
 
@@ -474,6 +507,7 @@ def _decode(
             is_stopped=request.stops,
             sampling=request.sampling,
             logprobs=request.logprobs,
+            min_new_tokens=request.min_new_tokens,
         )
         for request in requests
     ]
@@ -488,7 +522,8 @@ def _decode(
 def _result(request: _Request, state: SequenceState) -> GenerationResult:
     text = _decode_text(request.tokenizer, state.output)
     if request.stops:
-        text = request.stops.cut(text)
+        text = request.stops.cut(text, after=unstoppable_characters(request.tokenizer, state.output,
+                                                                    request.min_new_tokens))
     return GenerationResult(
         text=text,
         token_ids=list(state.output),

@@ -282,7 +282,8 @@ def test_stop_sequences_and_seeded_sampling(server, target):
     ({"model": MODEL, "prompt": "Āā", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "Āā", "temperature": 0, "top_p": 0.5}, 400, "top_p"),
     ({"model": MODEL, "prompt": [1, 2, 9999]}, 400, "token ids"),
-    ({"model": MODEL, "prompt": "Āā", "min_tokens": 4}, 400, "'min_tokens'"),
+    ({"model": MODEL, "prompt": "Āā", "min_tokens": 40, "max_tokens": 8}, 400, "min_new_tokens"),
+    ({"model": MODEL, "prompt": "Āā", "min_tokens": -1}, 400, "'min_tokens'"),
     ({"model": MODEL, "prompt": "Āā", "stop_token_ids": [9999]}, 400, "stop_token_ids"),
 ])
 def test_bad_completion_requests(server, body, status, message):
@@ -529,3 +530,17 @@ def test_a_server_is_built_on_a_passing_thread():
 
     with pytest.raises(draftwise.InvalidRequestError, match="no tokenizer"):
         on_passing_thread(failing)
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(server):
+    """vLLM's ``min_tokens``: no stop token id, end token or stop string ends the answer before that many tokens;
+    after them they end it as usual."""
+    body = {"model": MODEL, "prompt": text_prompt(21), "max_tokens": 20, "temperature": 0}
+    code, plain = server.post("/v1/completions", body)
+    assert code == 200
+    first = server.engine.tokenizer.encode_text(plain["choices"][0]["text"])[1]
+    code, stopped = server.post("/v1/completions", {**body, "stop_token_ids": [first]})
+    assert code == 200 and stopped["usage"]["completion_tokens"] == 2
+    code, held = server.post("/v1/completions", {**body, "stop_token_ids": [first], "min_tokens": 8})
+    assert code == 200 and held["usage"]["completion_tokens"] >= 8
+    assert held["choices"][0]["text"][:1] == plain["choices"][0]["text"][:1]

@@ -22,6 +22,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help=f"ar, pld, or a spec like pld:max_ngram=3 (default {DEFAULT_METHOD})")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"most tokens generated (default {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--min-new-tokens", type=int, default=0,
+                        help="no end-of-sequence token or stop sequence before this many tokens (default 0)")
     parser.add_argument("--stop", action="append", default=None, help="stop sequence (repeatable)")
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                         help=f"most draft nodes per step (default {DEFAULT_BUDGET})")
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         prompt,
         method=drafter,
         max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
         stop=args.stop,
         chat_template=chat,
         budget=args.budget,

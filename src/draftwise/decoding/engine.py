@@ -32,7 +32,7 @@ from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import Choice, DraftingPolicy, size_trees
-from .sampling import Draws, SamplingParams, penalized_logits, target_probabilities
+from .sampling import BarredEnds, Draws, SamplingParams, penalized_logits, target_probabilities
 from .stats import GenerationStats
 from .tree import DraftTree
 from .verify import Verification, greedy_choice, verify_greedy, verify_probabilistic, verify_sampled
@@ -68,6 +68,8 @@ class SequenceState:
         sampling: the sampling options (greedy by default).
         eos: token ids that end the sequence.
         is_stopped: called with the output so far after every token; ``True`` ends the sequence (stop sequences).
+        min_new_tokens: the sequence emits at least this many tokens before it may end (before that, ``eos`` tokens
+            cannot be chosen and ``is_stopped`` is not asked; vLLM's ``min_tokens``).
         stats: counters of this sequence.
         context: the prompt and every emitted token.
         output: the emitted tokens.
@@ -91,6 +93,7 @@ class SequenceState:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos: frozenset[int] = frozenset()
     is_stopped: Callable[[Sequence[int]], bool] | None = None
+    min_new_tokens: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
     context: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -113,18 +116,24 @@ class SequenceState:
         """Prompt tokens not yet in its cache."""
         return len(self.prompt_ids) - self.prefilled
 
+    def barred_ends(self) -> BarredEnds | None:
+        """The end tokens its next rows may not choose (``None`` once ``min_new_tokens`` are out)."""
+        left = self.min_new_tokens - len(self.output)
+        return BarredEnds(tuple(sorted(self.eos)), left) if left > 0 and self.eos else None
+
 
 def accept(sequence: SequenceState, tokens: Sequence[int]) -> StepEvent:
     """Append ``tokens`` one at a time, ending where plain decoding would: at the first EOS token, the first token
-    after which ``is_stopped`` holds, or at ``max_new_tokens``."""
+    after which ``is_stopped`` holds (neither before ``min_new_tokens`` tokens), or at ``max_new_tokens``."""
     taken: list[int] = []
     for token in tokens:
         taken.append(int(token))
         sequence.output.append(int(token))
         sequence.context.append(int(token))
-        if token in sequence.eos:
+        may_end = len(sequence.output) >= sequence.min_new_tokens
+        if token in sequence.eos and may_end:
             sequence.finish_reason = FinishReason.EOS
-        elif sequence.is_stopped is not None and sequence.is_stopped(sequence.output):
+        elif may_end and sequence.is_stopped is not None and sequence.is_stopped(sequence.output):
             sequence.finish_reason = FinishReason.STOP
         elif len(sequence.output) >= sequence.max_new_tokens:
             sequence.finish_reason = FinishReason.LENGTH
@@ -151,9 +160,11 @@ def verify(
     context: Sequence[int],
     sampling: SamplingParams,
     draws: Draws | None = None,
+    barred: BarredEnds | None = None,
 ) -> tuple[Verification, torch.Tensor]:
     """Verify ``tree`` against the target's logits at every row; returns the outcome and the logits the drafter
-    observes (after the repetition penalty, the one transform that changes which token is most likely).
+    observes (after the repetition penalty, the one transform that changes which token is most likely, and with
+    ``barred``'s end tokens impossible where the sequence may not end yet).
 
     The user's transforms (repetition penalty, temperature, top-k, top-p, min-p) shape the target distribution of
     every row exactly as in plain decoding. Greedy takes :func:`~draftwise.decoding.verify.greedy_choice` of each
@@ -161,6 +172,8 @@ def verify(
     when the tree carries the draft distributions it was sampled from.
     """
     logits = penalized_logits(logits, sampling, context, tree)
+    if barred is not None:
+        logits = barred.apply(logits, tree)
     if sampling.greedy:
         return verify_greedy(tree, greedy_choice(logits).tolist()), logits
     probabilities = target_probabilities(logits, sampling)
@@ -240,8 +253,10 @@ class Decoder:
         stats: GenerationStats | None = None,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        min_new_tokens: int = 0,
     ) -> SequenceState:
-        """A new sequence, ready for :meth:`prefill` (the caller has validated the request); ``logprobs``: keep
+        """A new sequence, ready for :meth:`prefill` (the caller has validated the request); ``min_new_tokens``: it
+        emits at least this many tokens before it may end (see :class:`SequenceState`); ``logprobs``: keep
         every emitted token's log-probability with that many alternatives (and with ``prompt_logprobs``, every
         prompt token's after the first: the prompt must then be prefilled in :meth:`step`'s pieces, on a target
         with ``chunked_prefill``)."""
@@ -253,6 +268,7 @@ class Decoder:
             sampling=sampling,
             eos=frozenset(int(token) for token in eos_token_ids),
             is_stopped=is_stopped,
+            min_new_tokens=min_new_tokens,
             stats=stats if stats is not None else GenerationStats(),
             context=[int(token) for token in prompt_ids],
             draws=sampling.draws(),
@@ -285,7 +301,8 @@ class Decoder:
     def _first_token(self, sequence: SequenceState, logits: torch.Tensor) -> StepEvent:
         """Its prompt is in the cache: emit the first token from the prompt's last row and set its drafter up."""
         sequence.prefilled = len(sequence.prompt_ids)
-        first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws)
+        first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws,
+                          sequence.barred_ends())
         event = accept(sequence, first.tokens)
         if sequence.logprobs is not None:
             sequence.token_logprobs += token_logprobs(logits[-1:], event.tokens, sequence.logprobs)
@@ -329,7 +346,7 @@ class Decoder:
         events_by_sequence: dict[int, StepEvent] = {}
         if active:
             verifications = [
-                verify(logits, tree, context, sequence.sampling, sequence.draws)
+                verify(logits, tree, context, sequence.sampling, sequence.draws, sequence.barred_ends())
                 for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
             ]
             if not prompt_chunks:  # (a forward with prompt rows says nothing of what drafts cost)
@@ -414,13 +431,14 @@ def decode(
     stats: GenerationStats | None = None,
     latency: LatencyModel | None = None,
     sampling: SamplingParams | None = None,
+    min_new_tokens: int = 0,
 ) -> Iterator[StepEvent]:
     """Generate one sequence with ``drafter``'s drafts; yield the tokens of each step as they are accepted.
 
     Greedy (the default ``sampling``) gives the token ids of plain greedy decoding; sampling gives text from exactly
     the distribution of plain sampling with the same options. Emitted tokens are processed one by one and generation
-    ends at the first EOS token, the first token after which ``is_stopped(output_ids)`` holds, or after
-    ``max_new_tokens`` tokens, exactly where plain decoding would end. ``stats`` (if given) is filled in.
+    ends at the first EOS token, the first token after which ``is_stopped(output_ids)`` holds (neither before
+    ``min_new_tokens`` tokens), or after ``max_new_tokens`` tokens, exactly where plain decoding would end. ``stats`` (if given) is filled in.
 
     When the drafter scores its nodes, each step verifies only the best-scoring ones that pay for their cost
     according to ``latency`` (learned from this run's forwards; pass one in to share it between runs).
@@ -436,6 +454,7 @@ def decode(
         is_stopped=is_stopped,
         sampling=sampling,
         stats=stats,
+        min_new_tokens=min_new_tokens,
     )
     [event] = decoder.prefill([sequence])
     yield event

@@ -157,6 +157,32 @@ def penalized_logits(
     return RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, logits.float().clone())
 
 
+@dataclass(frozen=True)
+class BarredEnds:
+    """End tokens a sequence may not emit yet: at every row whose token would be one of the first ``min_new_tokens``
+    of the output, their logits are ``-inf`` (transformers' ``min_new_tokens``, vLLM's ``min_tokens``).
+
+    Attributes:
+        tokens: the ids that would end the sequence (EOS and stop token ids).
+        depth: rows of depth below it are barred (the root, row 0, has depth 0): the output tokens still to come
+            before an end is allowed.
+    """
+
+    tokens: tuple[int, ...]
+    depth: int
+
+    def apply(self, logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """``logits`` (row 0 = root, row i + 1 = node i of ``tree``) with the barred rows' end tokens impossible."""
+        depths = (0, *(tree.depths if tree is not None else ()))[: logits.shape[0]]
+        rows = [row for row, depth in enumerate(depths) if depth < self.depth]
+        if not rows or not self.tokens:
+            return logits
+        barred = logits.clone()
+        index = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(self.tokens, device=logits.device)
+        barred[index] = float("-inf")
+        return barred
+
+
 def history_ids(logits: torch.Tensor, context: Sequence[int], tree: DraftTree | None) -> torch.Tensor:
     """Every row's history as a ``(rows, width)`` tensor of ids on ``logits``' device, for the repetition penalty."""
     histories = row_histories(context, tree if tree is not None else DraftTree())[: logits.shape[0]]

@@ -91,9 +91,10 @@ class _Job:
     echo: str = ""  # the prompt's text, sent before the answer (completions with echo)
     logprobs: int | None = None  # alternatives per token, when log-probabilities are asked for
     prompt_logprobs: bool = False  # the prompt's too (completions with echo and logprobs)
+    min_new_tokens: int = 0  # (min_tokens: stop strings end the text only after these)
 
     def settled_text(self, tokenizer: Any) -> SettledText:
-        return SettledText(tokenizer, self.stops, self.keep_stop, self.skip_special_tokens)
+        return SettledText(tokenizer, self.stops, self.keep_stop, self.skip_special_tokens, self.min_new_tokens)
 
 
 class Server:
@@ -134,7 +135,7 @@ class Server:
         prompt_logprobs = isinstance(request, CompletionRequest) and request.prompt_logprobs_asked()
         try:
             ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids,
-                                        logprobs, prompt_logprobs)
+                                        logprobs, prompt_logprobs, min_new_tokens=request.min_tokens)
         except ServerBusyError as error:
             self.engine.metrics.request_refused()
             raise APIError(503, str(error), kind="server_overloaded", code="queue_full",
@@ -142,7 +143,8 @@ class Server:
         prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
         return _Job(kind, prompt_ids, events, ticket, StopSequences(self.engine.tokenizer, stops) if stops else None,
                     f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request.include_stop_str_in_output,
-                    request.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                    request.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                    min_new_tokens=request.min_tokens)
 
     def _prompt_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..api import StopSequences, check_request, eos_token_ids
+from ..api import StopSequences, check_min_new_tokens, check_request, eos_token_ids
 from ..backend.target import Target, as_target
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS, Scheduler
 from ..decoding.engine import DEFAULT_BUDGET, Decoder, SequenceState
@@ -93,6 +93,7 @@ class Ticket:
     eos: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    min_new_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     state: SequenceState | None = None
     cancelled: bool = False
@@ -165,18 +166,20 @@ class ServingEngine:
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        min_new_tokens: int = 0,
     ) -> Ticket:
         """Queue a request; ``on_event`` is called on the worker thread with each step's tokens for it
         (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``; ``stop_token_ids``: more
         tokens that end it, kept in the output, as vLLM does, even with ``ignore_eos``; ``logprobs``: every token's
         log-probability comes with it, with that many alternatives; ``prompt_logprobs``: so do the prompt's, with
-        the first tokens).
+        the first tokens; ``min_new_tokens``: tokens generated before an end token or a stop sequence may end it).
 
         Raises:
             InvalidRequestError: a request the engine cannot serve.
             ServerBusyError: the queue is full.
         """
         self.check(prompt_ids, max_new_tokens)
+        check_min_new_tokens(min_new_tokens, max_new_tokens)
         if prompt_logprobs and (logprobs is None or not self.target.chunked_prefill):
             raise UnsupportedOptionError(
                 "the prompt's log-probabilities need logprobs and a model whose prompts are prefilled as verification "
@@ -190,6 +193,7 @@ class ServingEngine:
             eos=(() if ignore_eos else tuple(self.eos)) + tuple(int(token) for token in stop_token_ids),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_new_tokens=min_new_tokens,
         )
         with self._lock:
             if self._pending + len(self.scheduler.waiting) >= self.max_waiting:
@@ -277,6 +281,7 @@ class ServingEngine:
             sampling=ticket.sampling,
             logprobs=ticket.logprobs,
             prompt_logprobs=ticket.prompt_logprobs,
+            min_new_tokens=ticket.min_new_tokens,
         )
         ticket.state = state
         self._tickets[id(state)] = ticket

@@ -4,7 +4,7 @@ Every option is either honoured exactly or refused with a 400 that names it: an 
 (``n > 1``, presence and frequency penalties, ``logit_bias``, tools ...) is accepted only at the value that means
 "off", and an unknown field is refused, never silently dropped. Beyond OpenAI's names, vLLM's request
 extensions with a meaning here are honoured as vLLM honours them: ``top_k``, ``min_p``, ``repetition_penalty``
-(transformers' meanings), ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+(transformers' meanings), ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats`` and ``echo`` on completions; ``model`` may be
 omitted (the served model). Log-probabilities (``logprobs``/``top_logprobs`` on chat, ``logprobs`` on completions) are
 those of plain decoding, exactly (see :mod:`draftwise.decoding.logprobs`); with ``echo`` on completions, the
@@ -34,7 +34,6 @@ OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
-    "min_tokens": (None, 0),
 }
 
 #: OpenAI's default temperature (1.0: sampling); send 0 for greedy decoding.
@@ -68,6 +67,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id: nothing to honour
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: tokens before an EOS, a stop token or a stop string may end it
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -78,7 +78,6 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
 
     def refuse_unsupported(self) -> None:
         """Refuse every option set to a value the engine cannot honour."""

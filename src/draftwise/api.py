@@ -227,6 +227,13 @@ def check_request(limit: int, prompt_ids: Sequence[int], max_new_tokens: int, bu
         )
 
 
+def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
+    """Refuse a ``logit_bias`` that names a token outside the model's vocabulary."""
+    outside = [token for token, _ in sampling.logit_bias if token >= vocab_size]
+    if outside:
+        raise InvalidRequestError(f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab_size}")
+
+
 def check_min_new_tokens(min_new_tokens: int, max_new_tokens: int) -> None:
     """Refuse a ``min_new_tokens`` that is not a whole number from 0 to ``max_new_tokens`` (checked already)."""
     if (isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int)
@@ -459,6 +466,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         raise InvalidRequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
     sampling = make_sampling(sampling, options)
     target = as_target(model)
+    check_logit_bias(sampling, target.config.vocab_size)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if stops and tokenizer is None:
         raise InvalidRequestError("stop sequences need a tokenizer")

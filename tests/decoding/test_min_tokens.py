@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from tiny import CharTokenizer, drafter_for, make_tiny_model, planned, repetitive_prompt
+from tiny import FixedCosts, CharTokenizer, drafter_for, make_tiny_model, planned, repetitive_prompt
 
 import draftwise
 from draftwise.decoding.engine import FinishReason
@@ -61,12 +61,13 @@ def test_every_method_gives_plain_decodings_ids_alone_and_batched(target, method
     prompts = _prompts()
     expected = [_ar(target, prompt, min_new_tokens=MIN).token_ids for prompt in prompts]
     drafter = drafter_for(method, target)
+    free_rows = FixedCosts(prior={1: 1.0, 64: 1.0})  # (drafting always pays: the test does not hang on timings)
     alone = [draftwise.generate(target, None, prompt_ids=prompt, method=drafter, max_new_tokens=30,
-                                min_new_tokens=MIN) for prompt in prompts]
+                                min_new_tokens=MIN, latency=free_rows) for prompt in prompts]
     assert [result.token_ids for result in alone] == expected
     assert sum(result.stats.accepted_tokens for result in alone) > 0, "drafts were accepted: the rows were verified"
     batched = draftwise.generate(target, None, prompt_ids=prompts, method=drafter, max_new_tokens=30,
-                                 min_new_tokens=MIN, max_batch=4)
+                                 min_new_tokens=MIN, max_batch=4, latency=free_rows)
     assert [result.token_ids for result in batched] == expected
 
 

@@ -277,7 +277,10 @@ def test_stop_sequences_and_seeded_sampling(server, target):
     ({"model": MODEL, "prompt": "Āā", "max_tokens": 1000}, 400, "context window"),
     ({"model": MODEL, "prompt": "Āā", "n": 2}, 400, "'n'"),
     ({"model": MODEL, "prompt": "Āā", "logprobs": 21}, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "Āā", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "Āā", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "Āā", "logit_bias": {"9999": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "Āā", "logit_bias": {"3": 500}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "Āā", "logit_bias": {"a": 5}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "Āā", "mirostat": 1}, 400, "'mirostat' is not a supported option"),
     ({"model": MODEL, "prompt": "Āā", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "Āā", "temperature": 0, "top_p": 0.5}, 400, "top_p"),
@@ -544,3 +547,19 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings(server):
     code, held = server.post("/v1/completions", {**body, "stop_token_ids": [first], "min_tokens": 8})
     assert code == 200 and held["usage"]["completion_tokens"] >= 8
     assert held["choices"][0]["text"][:1] == plain["choices"][0]["text"][:1]
+
+
+def test_logit_bias_and_penalties_are_honoured(server):
+    body = {"model": MODEL, "prompt": text_prompt(23), "max_tokens": 6, "temperature": 0}
+    code, plain = server.post("/v1/completions", body)
+    assert code == 200
+    tokenizer = server.engine.tokenizer
+    first = tokenizer.encode_text(plain["choices"][0]["text"])[0]
+    favourite = (first + 7) % tokenizer.vocab_size
+    code, forced = server.post("/v1/completions", {**body, "logit_bias": {str(favourite): 100}})
+    assert code == 200 and tokenizer.encode_text(forced["choices"][0]["text"]) == [favourite] * 6
+    code, barred = server.post("/v1/completions", {**body, "logit_bias": {str(first): -100}})
+    assert code == 200 and tokenizer.encode_text(barred["choices"][0]["text"])[0] != first
+    code, penalised = server.post("/v1/completions", {**body, "logit_bias": {str(favourite): 100},
+                                                      "frequency_penalty": 2, "presence_penalty": 2})
+    assert code == 200 and penalised["usage"]["completion_tokens"] == 6

@@ -90,6 +90,7 @@ MEASURED_ENVIRONMENT = ("read_gb_per_s", "read_gb_per_s_probes", "floor_ms_per_t
 
 
 def _header_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    current = json.loads(json.dumps(dict(current)))  # (as the file holds it: tuples are lists there)
     differences = []
     for section in ("config", "environment"):
         old, new = saved.get(section, {}), current.get(section, {})

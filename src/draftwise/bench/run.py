@@ -546,6 +546,11 @@ class BenchSettings:
             self.methods = [*self.methods, "hf-assisted"]
         if "hf-assisted" in self.methods and not self.draft_model:
             raise InvalidRequestError("hf-assisted needs a draft model: give it with --draft-model")
+        external = [method for method in self.methods if method in EXTERNAL_ROWS]
+        sampling = self.sampling
+        if external and (sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias):
+            raise UnsupportedOptionError(f"the presence and frequency penalties and logit_bias are draftwise's; the "
+                                         f"{', '.join(external)} rows cannot take them here")
         self.methods = validate_methods(self.methods)
 
 

@@ -82,6 +82,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=defaults.top_p)
     group.add_argument("--min-p", type=float, default=defaults.min_p)
     group.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
+    group.add_argument("--presence-penalty", type=float, default=defaults.presence_penalty,
+                       help="subtracted from tokens already in the output (OpenAI's meaning)")
+    group.add_argument("--frequency-penalty", type=float, default=defaults.frequency_penalty,
+                       help="subtracted once per earlier occurrence in the output (OpenAI's meaning)")
     group.add_argument("--seed", type=int, default=defaults.seed)
 
 
@@ -92,6 +96,8 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "top_p": args.top_p,
         "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
         "seed": args.seed,
     }
 

@@ -161,17 +161,19 @@ def verify(
     sampling: SamplingParams,
     draws: Draws | None = None,
     barred: BarredEnds | None = None,
+    output_start: int = 0,
 ) -> tuple[Verification, torch.Tensor]:
     """Verify ``tree`` against the target's logits at every row; returns the outcome and the logits the drafter
-    observes (after the repetition penalty, the one transform that changes which token is most likely, and with
-    ``barred``'s end tokens impossible where the sequence may not end yet).
+    observes (after the logit bias and the penalties, the transforms that change which token is most likely, the
+    presence and frequency penalties counting the output from ``output_start`` on, and with ``barred``'s end tokens
+    impossible where the sequence may not end yet).
 
     The user's transforms (repetition penalty, temperature, top-k, top-p, min-p) shape the target distribution of
     every row exactly as in plain decoding. Greedy takes :func:`~draftwise.decoding.verify.greedy_choice` of each
     row; sampling draws node by node (:func:`~draftwise.decoding.verify.verify_sampled`), or by rejection sampling
     when the tree carries the draft distributions it was sampled from.
     """
-    logits = penalized_logits(logits, sampling, context, tree)
+    logits = penalized_logits(logits, sampling, context, tree, output_start)
     if barred is not None:
         logits = barred.apply(logits, tree)
     if sampling.greedy:
@@ -302,7 +304,7 @@ class Decoder:
         """Its prompt is in the cache: emit the first token from the prompt's last row and set its drafter up."""
         sequence.prefilled = len(sequence.prompt_ids)
         first, _ = verify(logits[-1:], DraftTree(), sequence.context, sequence.sampling, sequence.draws,
-                          sequence.barred_ends())
+                          sequence.barred_ends(), len(sequence.prompt_ids))
         event = accept(sequence, first.tokens)
         if sequence.logprobs is not None:
             sequence.token_logprobs += token_logprobs(logits[-1:], event.tokens, sequence.logprobs)
@@ -346,7 +348,8 @@ class Decoder:
         events_by_sequence: dict[int, StepEvent] = {}
         if active:
             verifications = [
-                verify(logits, tree, context, sequence.sampling, sequence.draws, sequence.barred_ends())
+                verify(logits, tree, context, sequence.sampling, sequence.draws, sequence.barred_ends(),
+                       len(sequence.prompt_ids))
                 for sequence, tree, context, logits in zip(active, trees, contexts, output.logits)
             ]
             if not prompt_chunks:  # (a forward with prompt rows says nothing of what drafts cost)

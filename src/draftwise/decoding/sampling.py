@@ -1,9 +1,10 @@
 """Sampling options and the target distribution they define, identical in plain and speculative decoding.
 
-Every option means exactly what it means in transformers, applied in the order ``generate`` applies them
-(repetition penalty, temperature, top-k, top-p, min-p). :func:`penalized_logits` applies the repetition penalty with
-transformers' own processor (each row with the history it would have in plain decoding: the context plus the draft
-path down to that row); :func:`target_probabilities` then computes the distribution of every row of a verification
+Every option means exactly what it means in transformers (OpenAI's and vLLM's for ``logit_bias``,
+``presence_penalty`` and ``frequency_penalty``, which transformers lacks), applied in the order vLLM applies them:
+logit bias, repetition penalty, frequency and presence penalties, then temperature, top-k, top-p, min-p.
+:func:`penalized_logits` applies the first four (the repetition penalty with transformers' own processor), each row
+with the history it would have in plain decoding: the context plus the draft path down to that row; :func:`target_probabilities` then computes the distribution of every row of a verification
 forward at once, the other transforms and the softmax in one pass per row on CPUs
 (:func:`draftwise.backend.native.sampling_probabilities`: top-k and top-p by selection, where transformers' top-p
 sorts the whole vocabulary), and with torch's operations elsewhere. :func:`transform_logits` applies transformers' processors themselves: the reference both are tested
@@ -82,6 +83,12 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = off).
         min_p: drop tokens less likely than min_p times the most likely one (0.0 = off).
         repetition_penalty: transformers' (CTRL) penalty on tokens already in the prompt or output (1.0 = off).
+        presence_penalty: subtracted from the logit of every token already in the output (OpenAI's and vLLM's
+            meaning: the prompt does not count; -2 to 2, 0 = off).
+        frequency_penalty: subtracted from a token's logit once per time it is already in the output (-2 to 2,
+            0 = off).
+        logit_bias: added to the logits of the tokens named, ``{token id: bias}`` (-100 to 100; OpenAI's meaning;
+            kept as sorted pairs).
         seed: seed of the random source; the same seed gives the same output for the same method, model and options.
     """
 
@@ -90,6 +97,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -99,11 +109,15 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.greedy and (self.top_k or self.top_p < 1 or self.min_p):
             raise UnsupportedOptionError(
                 "top_k, top_p and min_p shape a sampling distribution: set temperature > 0 to sample "
@@ -114,8 +128,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether a row's logits depend on its history (a penalty is set)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def processors(self) -> LogitsProcessorList:
-        """transformers' logits processors for these options, in ``generate``'s order."""
+        """transformers' logits processors for these options, in ``generate``'s order (transformers has none for
+        ``logit_bias`` and the presence and frequency penalties)."""
         processors = LogitsProcessorList()
         if self.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
@@ -146,15 +166,60 @@ class SamplingParams:
         return generator
 
 
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """A ``logit_bias`` (a mapping or pairs) as sorted ``(token id, bias)`` pairs, checked."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = sorted((int(token), float(value)) for token, value in items)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    for token, value in pairs:
+        if token < 0 or not -100 <= value <= 100:
+            raise InvalidRequestError(f"logit_bias takes token ids >= 0 and biases from -100 to 100, got "
+                                      f"{token}: {value}")
+    return tuple(pairs)
+
+
 def penalized_logits(
-    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], tree: DraftTree | None = None
+    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], tree: DraftTree | None = None,
+    output_start: int = 0,
 ) -> torch.Tensor:
-    """The logits of every row (row 0 = root, row i + 1 = node i) after the repetition penalty, the one transform
-    that reads the history (and the only one greedy decoding applies); ``logits`` itself when there is none."""
-    if params.repetition_penalty == 1.0:
+    """The logits of every row (row 0 = root, row i + 1 = node i) after the transforms greedy decoding applies too:
+    the logit bias, the repetition penalty (the prompt and output so far), the frequency and presence penalties (the
+    output alone: the history from ``output_start`` on, ``output_start`` being the prompt's length in
+    ``context``); ``logits`` itself when none is set. Each row is transformed from its own history alone, so a
+    verification row's logits are bitwise plain decoding's."""
+    if not params.reads_history and not params.logit_bias:
         return logits
-    input_ids = history_ids(logits, context, tree)
-    return RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, logits.float().clone())
+    out = logits.float().clone()
+    if params.logit_bias:
+        tokens = torch.tensor([token for token, _ in params.logit_bias], device=out.device)
+        if int(tokens.max()) >= out.shape[-1]:
+            raise InvalidRequestError(f"logit_bias names token {int(tokens.max())}, outside the vocabulary of "
+                                      f"{out.shape[-1]}")
+        out[:, tokens] += torch.tensor([value for _, value in params.logit_bias], device=out.device)
+    if params.repetition_penalty != 1.0:
+        out = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(history_ids(logits, context, tree), out)
+    if params.frequency_penalty or params.presence_penalty:
+        counts = output_counts(out, context, tree, output_start)
+        out -= params.frequency_penalty * counts
+        out -= params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def output_counts(logits: torch.Tensor, context: Sequence[int], tree: DraftTree | None,
+                  output_start: int) -> torch.Tensor:
+    """How often each token occurs in every row's output so far (its history from ``output_start`` on), as a float32
+    ``(rows, vocabulary)`` tensor on ``logits``' device."""
+    rows, width = logits.shape
+    tails = [history[output_start:] for history in row_histories(context, tree or DraftTree())[:rows]]
+    longest = max((len(tail) for tail in tails), default=0)
+    index = torch.full((rows, max(longest, 1)), width, dtype=torch.long)  # (the column past the end: padding)
+    for row, tail in enumerate(tails):
+        index[row, : len(tail)] = torch.tensor(tail, dtype=torch.long)
+    counts = torch.zeros(rows, width + 1)
+    counts.scatter_add_(1, index, torch.ones(index.shape))
+    return counts[:, :width].to(logits.device)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Every option is either honoured exactly or refused with a 400 that names it: an 
 (``n > 1``, presence and frequency penalties, ``logit_bias``, tools ...) is accepted only at the value that means
 "off", and an unknown field is refused, never silently dropped. Beyond OpenAI's names, vLLM's request
 extensions with a meaning here are honoured as vLLM honours them: ``top_k``, ``min_p``, ``repetition_penalty``
-(transformers' meanings), ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+(transformers' meanings), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI's meanings),
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats`` and ``echo`` on completions; ``model`` may be
 omitted (the served model). Log-probabilities (``logprobs``/``top_logprobs`` on chat, ``logprobs`` on completions) are
 those of plain decoding, exactly (see :mod:`draftwise.decoding.logprobs`); with ``echo`` on completions, the
@@ -26,14 +27,22 @@ OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
+}
+#: Why each of :data:`OFF_ONLY` is refused beyond its "off" value.
+REFUSAL_REASONS: dict[str, str] = {
+    "n": "one answer per request: send n requests (they share the running batch, each with exactly its own tokens)",
+    "best_of": "one answer per request; none is ranked by likelihood",
+    "echo": "echo applies to text completions",
+    "suffix": "inserting text before a suffix needs the model's fill-in-the-middle format, which is not built here",
+    "tools": "tool calls need the model's tool-call format and constrained output, neither of which is done here",
+    "tool_choice": "tool calls need the model's tool-call format and constrained output, neither of which is done here",
+    "functions": "function calls need the model's call format and constrained output, neither of which is done here",
+    "response_format": "structured output needs constrained decoding, which is not done here",
 }
 
 #: OpenAI's default temperature (1.0: sampling); send 0 for greedy decoding.
@@ -61,6 +70,9 @@ class _Request(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -75,9 +87,6 @@ class _Request(BaseModel):
     n: int | None = None
     best_of: int | None = None
     echo: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     def refuse_unsupported(self) -> None:
         """Refuse every option set to a value the engine cannot honour."""
@@ -85,7 +94,8 @@ class _Request(BaseModel):
             value = getattr(self, name, None)
             if value not in off:
                 raise UnsupportedOptionError(
-                    f"'{name}' = {value!r} is not supported by this server (allowed: {', '.join(map(repr, off))})"
+                    f"'{name}' = {value!r} is not supported by this server: {REFUSAL_REASONS[name]} (allowed: "
+                    f"{', '.join(map(repr, off))})"
                 )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true")
@@ -111,6 +121,11 @@ class _Request(BaseModel):
             values["min_p"] = self.min_p
         if self.repetition_penalty is not None:
             values["repetition_penalty"] = self.repetition_penalty
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        if self.logit_bias:
+            values["logit_bias"] = self.logit_bias
         try:
             return SamplingParams(**values)
         except (TypeError, ValueError) as error:

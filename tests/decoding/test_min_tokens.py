@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from tiny import FixedCosts, CharTokenizer, drafter_for, make_tiny_model, planned, repetitive_prompt
+from tiny import CharTokenizer, FixedCosts, drafter_for, make_tiny_model, planned, repetitive_prompt
 
 import draftwise
 from draftwise.decoding.engine import FinishReason

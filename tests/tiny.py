@@ -374,3 +374,22 @@ def tiny_serving_model() -> tuple:
     target = LeanTarget(make_tiny_model("qwen2", seed=0))
     plan_rows(target, MeasurementStore(tempfile.mkdtemp(prefix="draftwise-machine-")))
     return target, ChatCharTokenizer()
+
+
+#: A prompt that begins so stops the engine's worker thread of :func:`poisonable_serving_model`'s target.
+POISON = (7, 7, 7, 7, 7, 7)
+
+
+def poisonable_serving_model() -> tuple:
+    """:func:`tiny_serving_model` whose forward raises ``SystemExit`` (as an exit called deep in a library would) for
+    a block of rows that begins with :data:`POISON`: the engine's worker thread stops, the replica lives on."""
+    target, tokenizer = tiny_serving_model()
+    forward = target.forward
+
+    def checked(caches, blocks, **options):
+        if any(tuple(block.tokens[: len(POISON)]) == POISON for block in blocks):
+            raise SystemExit("a library called exit")
+        return forward(caches, blocks, **options)
+
+    target.forward = checked
+    return target, tokenizer

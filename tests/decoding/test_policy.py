@@ -7,6 +7,7 @@ import pytest
 
 from draftwise.decoding.latency import LatencyModel
 from draftwise.decoding.policy import (
+    PAUSE_REASONS,
     BatchState,
     DraftingPolicy,
     MeasuredRate,
@@ -145,6 +146,25 @@ def test_a_batch_pauses_drafting_while_drafted_steps_emit_fewer_tokens_per_secon
         policy.after_step(8, True, 16, 0.050)  # 320 tokens/s: drafting pays again
     assert state.throughput_pause_length == 0
     assert state.rate_with_drafts.tokens_per_second > state.rate_without_drafts.tokens_per_second
+
+
+def test_each_paused_step_is_counted_by_its_reason():
+    """Steps run without the drafters are counted by why: the cost rule, the throughput judge, or a plain step run
+    to measure plain steps' rate."""
+    policy = DraftingPolicy(LatencyModel(prior={1: 1.0, 64: 64.0}))
+    policy.choose([DraftTree.chain([4]), DraftTree.chain([7])], [GenerationStats(), GenerationStats()])
+    assert policy.state(2).pause_reason == "cost" and not policy.drafting(2)
+    policy.after_step(8, True, 10, 0.060)  # no plain step measured yet at 8: the next one runs plain
+    assert policy.state(8).pause_reason == "measuring" and not policy.drafting(8)
+    for _ in range(DraftingPolicy.RATE_MIN_STEPS):
+        policy.after_step(8, False, 8, 0.040)
+    for _ in range(DraftingPolicy.RATE_MIN_STEPS):
+        policy.after_step(8, True, 10, 0.060)  # slower than plain steps
+    assert policy.state(8).pause_reason == "throughput"
+    while not policy.drafting(8):
+        pass
+    assert policy.paused_steps["cost"] == 1 and policy.paused_steps["measuring"] == 1
+    assert policy.paused_steps["throughput"] >= 1 and set(policy.paused_steps) == set(PAUSE_REASONS)
 
 
 def test_alone_throughput_is_not_judged():

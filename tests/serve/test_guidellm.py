@@ -39,7 +39,7 @@ def server(smollm):
     running.stop()
 
 
-def run_guidellm(url: str, stream: bool, output: str, api_key: str | None = None) -> dict:
+def run_guidellm(url: str, stream: bool, output: str, api_key: str | None = None, data: str = "") -> dict:
     backend = {"kind": "openai_http", "target": url, "stream": stream, "extras": {"body": {"temperature": 0}}}
     if api_key is not None:
         backend["api_key"] = api_key
@@ -48,7 +48,7 @@ def run_guidellm(url: str, stream: bool, output: str, api_key: str | None = None
         "--backend", json.dumps(backend),
         "--profile", "kind=concurrent,streams=2",
         "--constraint", f"kind=max_requests,count={REQUESTS}",
-        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}{data}",
         "--tokenizer", f"kind=huggingface_auto,model={resolve_checkpoint('smollm2-135m', progress=False)}",
         "--output", f"kind=json,path={output}",
         "--disable-console",
@@ -108,3 +108,16 @@ def test_guidellm_passes_the_servers_api_key(smollm, tmp_path):
     requests = benchmark["requests"]
     assert not requests["errored"] and not requests["incomplete"], requests["errored"][:1]
     assert REQUESTS - 1 <= len(requests["successful"]) <= REQUESTS
+
+
+def test_guidellm_conversations_with_shared_prefixes_hit_the_prefix_cache(server, tmp_path):
+    """guidellm's multi-turn synthetic data with its shared prefixes (``turns``, ``prefix_tokens``, ``prefix_count``):
+    no errors, and the server restores prompt tokens from its prefix cache."""
+    registry = server.engine.metrics.registry
+    hits_before = registry.get_sample_value("draftwise:prefix_cache_hits_total") or 0.0
+    benchmark = run_guidellm(server.base, True, str(tmp_path / "guidellm.json"),
+                             data=",turns=2,prefix_tokens=64,prefix_count=1")
+    requests = benchmark["requests"]
+    assert not requests["errored"] and not requests["incomplete"], requests["errored"][:1]
+    assert requests["successful"]
+    assert (registry.get_sample_value("draftwise:prefix_cache_hits_total") or 0.0) - hits_before >= 64

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 aiohttp = pytest.importorskip("aiohttp")  # a dependency of ray[serve]
 
-from tiny import repetitive_prompt, tiny_serving_model
+from tiny import POISON, poisonable_serving_model, repetitive_prompt, tiny_serving_model
 
 import draftwise
 from draftwise.errors import InvalidRequestError
@@ -51,7 +51,8 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(metrics_port):
-    """A local Ray instance (2 CPUs) serving two replicas of the tiny model, one CPU each."""
+    """A local Ray instance (2 CPUs) serving two replicas of the tiny model, half a CPU each (the autoscaling test
+    runs its own application beside them)."""
     python_path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", _metrics_export_port=metrics_port,
              runtime_env={"env_vars": {"PYTHONPATH": python_path}})
@@ -59,7 +60,7 @@ def cluster(metrics_port):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         started = time.perf_counter()
-        app = build_app(tiny_serving_model, served_model_name=MODEL, method="pld", replicas=2, cpus_per_replica=1,
+        app = build_app(poisonable_serving_model, served_model_name=MODEL, method="pld", replicas=2, cpus_per_replica=0.5,
                         max_batch=4, default_max_tokens=24, health_check_period_s=1)
         serve.run(app, name=APP_NAME, route_prefix="/")
         print(f"two replicas up in {time.perf_counter() - started:.1f} s")
@@ -257,6 +258,83 @@ def test_a_killed_replica_fails_its_requests_and_comes_back(cluster, reference):
     assert running_replicas() == 2
 
 
+def test_a_replica_whose_engine_stopped_is_replaced_by_the_health_check(cluster, reference):
+    """A replica's engine thread stops (the actor lives on): the request that stopped it ends with a clear error, the
+    replica answers 503 from then on, and Serve's health check replaces it."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError, match="the decoding engine stopped: SystemExit"):
+        client.completions.create(model=MODEL, prompt=[*POISON, 1, 2], max_tokens=8, temperature=0)
+    deadline = time.monotonic() + 120
+    while running_replicas() == 2:  # (the health check runs every second: the replica is found unhealthy)
+        assert time.monotonic() < deadline, "Serve never found the stopped engine"
+        time.sleep(0.2)
+    while running_replicas() < 2:
+        assert time.monotonic() < deadline, "Serve did not replace the replica"
+        time.sleep(0.5)
+    # Both replicas serve again, with the right answers (one retry: the proxy may still know the replaced one).
+    for seed in range(6):
+        prompt = text_prompt(200 + seed)
+        try:
+            answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        except openai.APIStatusError:
+            answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert answer.choices[0].text == reference(prompt, 8).text
+
+
+def test_the_autoscaler_adds_a_replica_under_load_and_removes_it_when_idle(cluster):
+    """An application autoscaled between 1 and 2 replicas (one-sequence batches, short delays): sustained load
+    above one batch per replica brings a second replica up, which serves; idle, it goes again."""
+    import threading
+
+    import openai
+
+    name = "autoscaled"
+    app = build_app(tiny_serving_model, served_model_name=MODEL, method="ar", autoscale=(1, 2), cpus_per_replica=0.25,
+                    max_batch=1, max_waiting=16, default_max_tokens=16, health_check_period_s=1,
+                    autoscaling_options={"upscale_delay_s": 1, "downscale_delay_s": 2, "metrics_interval_s": 1,
+                                         "look_back_period_s": 2})
+    serve.run(app, name=name, route_prefix="/" + name)
+
+    def replicas() -> int:
+        return serve.status().applications[name].deployments["DraftwiseReplica"].replica_states.get("RUNNING", 0)
+
+    try:
+        assert replicas() == 1
+        client = openai.OpenAI(base_url=f"{cluster}/{name}/v1", api_key="none", max_retries=2, timeout=60)
+        stop, served_by, failures = threading.Event(), set(), []
+
+        def load(seed: int) -> None:
+            while not stop.is_set():
+                try:
+                    response = client.completions.with_raw_response.create(
+                        model=MODEL, prompt=text_prompt(seed), max_tokens=16, temperature=0)
+                    served_by.add(response.headers["x-draftwise-replica"])
+                except openai.APIError as error:
+                    failures.append(error)
+
+        clients = [threading.Thread(target=load, args=(seed,), daemon=True) for seed in range(6)]
+        for thread in clients:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 120
+            while replicas() < 2 or len(served_by) < 2:
+                assert time.monotonic() < deadline, f"no second replica under load ({replicas()} running)"
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(timeout=60)
+        assert not failures, failures[:3]
+        deadline = time.monotonic() + 120
+        while replicas() > 1:
+            assert time.monotonic() < deadline, "the idle second replica was never removed"
+            time.sleep(0.5)
+    finally:
+        serve.delete(name)
+
+
 def test_deployment_options_follow_the_scheduler():
     deployment = build_app("smollm2-135m", autoscale=(1, 3), max_batch=8, max_waiting=100, cpus_per_replica=2,
                            dtype="float32")._bound_deployment
@@ -299,3 +377,9 @@ def test_replica_limits_and_bad_options():
     with pytest.raises(InvalidRequestError, match="protect_metrics"):
         build_app("smollm2-135m", protect_metrics=True)
     assert build_app("smollm2-135m", api_key="sk-key", protect_metrics=True) is not None
+    with pytest.raises(InvalidRequestError, match="apply with autoscale"):
+        build_app("smollm2-135m", autoscaling_options={"upscale_delay_s": 1})
+    with pytest.raises(InvalidRequestError, match="unknown autoscaling options"):
+        build_app("smollm2-135m", autoscale=(1, 2), autoscaling_options={"upscale_delay": 1})
+    with pytest.raises(InvalidRequestError, match="downscale_delay_s"):
+        build_app("smollm2-135m", autoscale=(1, 2), autoscaling_options={"downscale_delay_s": -1})

@@ -339,6 +339,25 @@ def test_metrics_use_vllm_speculation_names(server):
     assert values['draftwise:request_success_total{finished_reason="length"}'] >= 1
 
 
+def test_metrics_say_where_drafting_was_judged_not_to_pay(target):
+    """The policy's paused steps by reason, and the step rates the throughput judge compares, reach /metrics."""
+    from draftwise.decoding.policy import MeasuredRate
+
+    engine = ServingEngine(target, ChatCharTokenizer(), "pld")
+    policy = engine.decoder.policy
+    policy.paused_steps.update(throughput=3, measuring=1)
+    state = policy.state(4)
+    state.rate_with_drafts, state.rate_without_drafts = MeasuredRate(150.0, 5), MeasuredRate(200.0, 5)
+    engine._count_drafting_decisions()
+    policy.paused_steps["throughput"] += 2
+    engine._count_drafting_decisions()
+    text = engine.metrics.exposition().decode()
+    assert 'draftwise:drafting_paused_steps_total{reason="throughput"} 5.0' in text
+    assert 'draftwise:drafting_paused_steps_total{reason="measuring"} 1.0' in text
+    assert 'draftwise:step_tokens_per_second{batch_size="4",drafts="yes"} 150.0' in text
+    assert 'draftwise:step_tokens_per_second{batch_size="4",drafts="no"} 200.0' in text
+
+
 def test_a_disconnected_stream_frees_its_slot(target):
     engine = ServingEngine(target, ChatCharTokenizer(), "pld")
     step = engine.decoder.step

@@ -194,3 +194,28 @@ class LeanCache:
             buffer[:, targets // self.block, :, targets % self.block] = buffer[
                 :, sources // self.block, :, sources % self.block
             ]
+
+    def _pieces(self, start: int, end: int):
+        """``(block, offset, count, done)`` for each block that positions ``start .. end - 1`` fall in."""
+        position = start
+        while position < end:
+            offset = position % self.block
+            count = min(self.block - offset, end - position)
+            yield position // self.block, offset, count, position - start
+            position += count
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions ``start .. end - 1`` of every layer: ``(layers, kv_heads, end - start, head_dim)``."""
+        pieces = list(self._pieces(start, end))
+        return tuple(  # type: ignore[return-value]
+            torch.cat([buffer[:, block, :, offset : offset + count] for block, offset, count, _ in pieces], dim=2)
+            if len(pieces) > 1 else buffer[:, pieces[0][0], :, pieces[0][1] : pieces[0][1] + pieces[0][2]].clone()
+            for buffer in (self.keys, self.values)
+        )
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``(layers, kv_heads, positions, head_dim)`` keys and values at positions ``start ..``."""
+        self.reserve(start + keys.shape[2])
+        for block, offset, count, done in self._pieces(start, start + keys.shape[2]):
+            self.keys[:, block, :, offset : offset + count] = keys[:, :, done : done + count]
+            self.values[:, block, :, offset : offset + count] = values[:, :, done : done + count]

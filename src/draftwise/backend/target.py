@@ -167,6 +167,23 @@ class Target(ABC):
     def truncate(self, cache: Any, length: int) -> None:
         """Roll ``cache`` back to its first ``length`` committed positions."""
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether a sequence may start from keys and values another computed (:mod:`draftwise.decoding.prefix_cache`):
+        its cache's positions can be read and written (:meth:`read_positions`, :meth:`write_positions`) and its
+        prompts' rows are verification rows (:attr:`chunked_prefill`), so reused positions are bitwise its own."""
+        return False
+
+    def read_positions(self, cache: Any, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of committed positions ``start .. end - 1``, every layer: two
+        ``(layers, kv_heads, end - start, head_dim)`` tensors."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix caching")
+
+    def write_positions(self, cache: Any, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys and values (as :meth:`read_positions` gives them) at positions ``start ..`` of ``cache``, which
+        holds ``start`` committed positions, and commit them."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix caching")
+
 
 class TransformersTarget(Target):
     """Any transformers causal LM whose layers are all full attention, through its public forward.

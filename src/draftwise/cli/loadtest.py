@@ -36,6 +36,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           help="tokens per answer (synthetic data: exactly this many, with ignore_eos)")
     loadtest.add_argument("--data", default="spec-bench", choices=["spec-bench", "synthetic"],
                           help="Spec-Bench questions, or synthetic prompts of --prompt-tokens tokens cut from them")
+    loadtest.add_argument("--turns", type=int, default=1,
+                          help="conversation profile: each client's conversation has this many turns, each follow-up "
+                               "resending the conversation so far with a short question (default 1: single requests; "
+                               "--requests and --per-client then count conversations)")
     loadtest.add_argument("--prompt-tokens", type=int, default=256, help="tokens per synthetic prompt")
     loadtest.add_argument("--tokenizer", default=None, help="tokenizer folder or preset for synthetic prompts")
     loadtest.add_argument("--per-category", type=int, default=3, help="Spec-Bench prompts per category")
@@ -102,7 +106,9 @@ def _print_load_table(runs: dict[str, list[dict]]) -> None:
     from rich.table import Table
 
     table = Table(title="load test (guidellm's metrics: TTFT, ITL, TPOT in ms; request latency in s)")
+    turns = any("follow_up_time_to_first_token_ms" in level["metrics"] for levels in runs.values() for level in levels)
     for column in ("server", "concurrency", "ok", "failed", "output tok/s", "req/s", "TTFT p50", "TTFT p99",
+                   *(("TTFT p50 turn 1", "TTFT p50 follow-ups", "cached") if turns else ()),
                    "ITL p50", "TPOT p50", "latency p50", "latency p99", "drafting", "MAL", "tok/step"):
         table.add_column(column, justify="left" if column == "server" else "right")
 
@@ -119,6 +125,9 @@ def _print_load_table(runs: dict[str, list[dict]]) -> None:
                 str(metrics["request_totals"]["errored"] + metrics["request_totals"].get("incomplete", 0)),
                 number(metrics["output_tokens_per_second"], 2),
                 number(metrics["requests_per_second"], 3), number(ttft.get("median"), 0), number(ttft.get("p99"), 0),
+                *((number((metrics.get("first_turn_time_to_first_token_ms") or {}).get("median"), 0),
+                   number((metrics.get("follow_up_time_to_first_token_ms") or {}).get("median"), 0),
+                   number(metrics.get("follow_up_cached_prompt_tokens"), 0)) if turns else ()),
                 number(itl.get("median")), number(tpot.get("median")), number(latency.get("median"), 2),
                 number(latency.get("p99"), 2),
                 f"{speculation['drafting_share']:.0%}" if "drafting_share" in speculation else "-",
@@ -137,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if min(levels) < 1 or (args.requests is not None and args.requests < 1) or args.max_tokens < 1 \
             or args.per_client < 1:
         raise InvalidRequestError("--requests, --per-client, --concurrency/--sweep and --max-tokens must be positive")
-    if args.prompt_tokens < 1 or args.warmup < 0:
-        raise InvalidRequestError("--prompt-tokens must be positive and --warmup at least 0")
+    if args.prompt_tokens < 1 or args.warmup < 0 or args.turns < 1:
+        raise InvalidRequestError("--prompt-tokens and --turns must be positive and --warmup at least 0")
     compared = {}
     for path in args.compare:
         try:
@@ -189,12 +198,13 @@ def _run_loadtest(args: argparse.Namespace, levels: list[int]) -> list:
     reports = sweep(args.url, args.model, prompts, levels, args.max_tokens, requests=args.requests,
                     per_client=args.per_client, warmup=args.warmup, on_level=progress, chat=not args.completions,
                     stream=not args.no_stream, ignore_eos=synthetic or args.ignore_eos, temperature=args.temperature,
-                    extra_body=extra_body, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE))
+                    extra_body=extra_body, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE), turns=args.turns)
     if args.json:
         settings = {"url": args.url, "model": args.model, "data": args.data, "stream": not args.no_stream,
                     "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens if synthetic else None,
                     "ignore_eos": synthetic or args.ignore_eos, "temperature": args.temperature,
-                    "endpoint": "completions" if args.completions else "chat", "extra_body": extra_body}
+                    "endpoint": "completions" if args.completions else "chat", "extra_body": extra_body,
+                    "turns": args.turns}
         write_results(args.json, args.label or args.url, settings, reports)
     return reports
 

@@ -9,6 +9,7 @@ import sys
 from ..api import DEFAULT_METHOD
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
+from ..decoding.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from ..errors import InvalidRequestError
 from ..files import read_text_file
 from ..models import LoadOptions
@@ -33,6 +34,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help=f"most requests waiting for a slot; more are answered 503 (default {DEFAULT_MAX_WAITING})")
     serve.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                        help=f"most draft nodes per sequence and step (default {DEFAULT_BUDGET})")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the keys and values of earlier prompts and outputs for requests that begin the same "
+                            "way, bitwise the same tokens (default on; --no-enable-prefix-caching: off)")
+    serve.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
+                       help="most MiB of keys and values kept for prefix caching, least recently used dropped first "
+                            f"(default {DEFAULT_PREFIX_CACHE_BYTES >> 20})")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                        help=f"tokens generated when a request gives no max_tokens (default {DEFAULT_MAX_TOKENS})")
@@ -97,13 +104,16 @@ def run(args: argparse.Namespace) -> int:
     if min(args.max_batch, args.max_waiting, args.default_max_tokens, args.max_prefill_rows) < 1:
         raise InvalidRequestError("--max-batch, --max-waiting, --max-prefill-rows and --default-max-tokens must be "
                                   "positive")
+    if args.prefix_cache_mb < 0:
+        raise InvalidRequestError("--prefix-cache-mb must be >= 0")
+    prefix_cache_bytes = (args.prefix_cache_mb << 20) if args.enable_prefix_caching else 0
     options = load_options(args)
     api_key = api_key_of(args)
     warning = exposure_warning(args.host, api_key)
     if warning:
         print(f"draftwise: warning: {warning}", file=sys.stderr)
     if args.ray:
-        return _serve_on_ray(args, options, api_key)
+        return _serve_on_ray(args, options, api_key, prefix_cache_bytes)
     ray_only = [flag for flag, value in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
                                          ("--address", args.address), ("--cpus-per-replica", args.cpus_per_replica),
                                          ("--gpus-per-replica", args.gpus_per_replica)) if value is not None]
@@ -117,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             raise InvalidRequestError(f"{args.model} has no tokenizer: the server needs one")
         return ServingEngine(target, tokenizer, args.method, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                             budget=args.budget, max_prefill_rows=args.max_prefill_rows)
+                             budget=args.budget, max_prefill_rows=args.max_prefill_rows,
+                             prefix_cache_bytes=prefix_cache_bytes)
 
     # (torch's work then runs on the engine's thread alone: see on_passing_thread)
     engine = on_passing_thread(build)
@@ -140,7 +151,7 @@ def _autoscale_range(text: str | None) -> tuple[int, int] | None:
     return low, high
 
 
-def _serve_on_ray(args: argparse.Namespace, options: LoadOptions, api_key: str | None) -> int:
+def _serve_on_ray(args: argparse.Namespace, options: LoadOptions, api_key: str | None, prefix_cache_bytes: int) -> int:
     """``draftwise serve --ray``: the same server, its replicas run by Ray Serve."""
     autoscale = _autoscale_range(args.autoscale)
     if autoscale is not None and args.replicas is not None:
@@ -163,7 +174,7 @@ def _serve_on_ray(args: argparse.Namespace, options: LoadOptions, api_key: str |
                     threads=args.threads, max_batch=args.max_batch, max_waiting=args.max_waiting, budget=args.budget,
                     max_prefill_rows=args.max_prefill_rows, default_max_tokens=args.default_max_tokens,
                     session_affinity=not args.no_session_affinity, api_key=api_key,
-                    protect_metrics=args.protect_metrics, options=options)
+                    protect_metrics=args.protect_metrics, prefix_cache_bytes=prefix_cache_bytes, options=options)
     scale = f"{autoscale[0]} to {autoscale[1]} replicas" if autoscale else f"{replicas} replica(s)"
     print(f"draftwise: serving {name} with {args.method} on Ray Serve, {scale} of {cpus:g} CPU(s), "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)

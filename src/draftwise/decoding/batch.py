@@ -4,9 +4,10 @@ one forward per step.
 With ``max_prefill_rows`` set (the server sets it), prompts are prefilled in that same forward where the target
 allows it (``Target.chunked_prefill``): each step takes at most ``max_prefill_rows`` prompt rows, oldest prompt
 first, so a long prompt is prefilled in pieces over several steps while the running sequences go on decoding, and
-several short prompts share one forward. Every piece's rows
-are bitwise the rows of the same prompt prefilled alone. Otherwise a newly admitted prompt is prefilled whole, in
-its own forward, in the step that admits it.
+several short prompts share one forward. Every piece's rows are bitwise the rows of the same prompt prefilled
+alone; with the decoder's prefix cache a prompt starts from the cached blocks it begins with
+(:mod:`~draftwise.decoding.prefix_cache`), the same bits again. Otherwise a newly admitted prompt is prefilled whole,
+in its own forward, in the step that admits it.
 
 Every sequence keeps its own draft tree, its own accepted length and its own KV cache: no sequence ever sees another's
 keys, and on a target whose products are batch invariant (the lean backend) every sequence's tokens are exactly the
@@ -93,7 +94,7 @@ class Scheduler:
             self.running = [sequence for sequence in running + admitted if not sequence.finished]
             return events
         for sequence in admitted:
-            self.decoder.open(sequence)
+            self.decoder.open(sequence, reuse_prefix=True)
         self.prefilling += admitted
         chunks = self._prompt_chunks()
         if not running and not chunks:

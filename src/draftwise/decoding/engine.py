@@ -28,10 +28,12 @@ import torch
 
 from ..backend.rows import RowBlock
 from ..backend.target import Target, as_target
+from ..errors import UnsupportedOptionError
 from .drafter import Drafter, SequenceSetup, StepOutcome
 from .latency import LatencyModel
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import Choice, DraftingPolicy, size_trees
+from .prefix_cache import PrefixCache
 from .sampling import BarredEnds, Draws, SamplingParams, penalized_logits, target_probabilities
 from .stats import GenerationStats
 from .tree import DraftTree
@@ -223,6 +225,9 @@ class Decoder:
         policy: decides when to draft and which drafts to verify (a :class:`~draftwise.decoding.policy.DraftingPolicy`
             over ``latency`` when not given; a given policy's latency model is the decoder's, and ``latency``, if
             given too, must be that same model).
+        prefix_cache: where prompts prefilled in pieces start from cached blocks of earlier prompts and outputs, and
+            where finished prompts and sequences leave theirs (:mod:`draftwise.decoding.prefix_cache`; ``None``: no
+            prefix caching). The target must have :attr:`~draftwise.backend.target.Target.prefix_caching`.
     """
 
     def __init__(
@@ -232,8 +237,14 @@ class Decoder:
         budget: int = DEFAULT_BUDGET,
         latency: LatencyModel | None = None,
         policy: DraftingPolicy | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target: Target = as_target(target)
+        if prefix_cache is not None and not self.target.prefix_caching:
+            raise UnsupportedOptionError(
+                "prefix caching needs a target whose prompts are prefilled as verification rows (the lean forward with "
+                "its compiled kernels, rows found exact)")
+        self.prefix_cache = prefix_cache
         # A target whose verification rows are not bitwise plain decoding's here verifies no drafts.
         self.budget = budget if self.target.exact_trees else 0
         if policy is not None and latency is not None and policy.latency is not latency:
@@ -278,9 +289,11 @@ class Decoder:
             prompt_logprobs=[] if prompt_logprobs and logprobs is not None else None,
         )
 
-    def open(self, sequence: SequenceState) -> None:
+    def open(self, sequence: SequenceState, reuse_prefix: bool = False) -> None:
         """Give a started sequence its KV cache: its prefill begins now (whole, :meth:`prefill`, or in pieces,
-        :meth:`step`'s ``prompt_chunks``). Its drafter prepares first (a draft model loads), before its clock starts."""
+        :meth:`step`'s ``prompt_chunks``). Its drafter prepares first (a draft model loads), before its clock starts.
+        With ``reuse_prefix`` (pieces only) the cache starts with the prefix cache's blocks of its prompt (all but
+        the last token, whose row gives the first token; none where the prompt's log-probabilities are asked for)."""
         sequence.drafter.prepare(self.target)
         sequence.stats.drafting_off = self.target.drafting_off_reason
         sequence.started = time.perf_counter()
@@ -289,6 +302,15 @@ class Decoder:
         capacity = len(sequence.context) + sequence.max_new_tokens + self.budget + 1
         sequence.cache = self.target.new_cache(capacity)
         sequence.prefilled = 0
+        if reuse_prefix and self.prefix_cache is not None and sequence.prompt_logprobs is None:
+            sequence.prefilled = self.prefix_cache.restore(self.target, sequence.cache, sequence.prompt_ids,
+                                                           len(sequence.prompt_ids) - 1)
+            sequence.stats.cached_prompt_tokens = sequence.prefilled
+
+    def remember(self, sequence: SequenceState) -> None:
+        """Leave the sequence's whole blocks of prompt and output in the prefix cache (where there is one)."""
+        if self.prefix_cache is not None and sequence.cache is not None:
+            self.prefix_cache.store(self.target, sequence.cache, sequence.context)
 
     @torch.inference_mode()
     def prefill(self, sequences: Sequence[SequenceState]) -> list[StepEvent]:
@@ -365,6 +387,8 @@ class Decoder:
                     sequence.token_logprobs += token_logprobs(rows, event.tokens, sequence.logprobs)
                 hidden = output.hidden_states[index] if output.hidden_states is not None else None
                 update(sequence, tree, verification, logits, context, event, hidden)
+                if sequence.finished:
+                    self.remember(sequence)
                 sequence.stats.time_s = time.perf_counter() - sequence.started
                 events_by_sequence[id(sequence)] = event
             # (a step that also prefilled prompt pieces says nothing of drafting's rate; an exploration in it still
@@ -387,6 +411,8 @@ class Decoder:
                 following = sequence.prompt_ids[sequence.prefilled + 1 : sequence.prefilled + rows + 1]
                 sequence.prompt_logprobs += token_logprobs(logits, following, sequence.logprobs)
             sequence.prefilled += rows
+            if not sequence.prompt_left:
+                self.remember(sequence)
             chunk_events.append(self._first_token(sequence, logits) if not sequence.prompt_left else StepEvent([]))
         return [
             events_by_sequence.get(id(sequence), StepEvent([], sequence.finish_reason)) for sequence in sequences

@@ -31,6 +31,10 @@ The :class:`~draftwise.decoding.engine.Decoder` runs the mechanism (draft -> ver
   :attr:`DraftingPolicy.MAX_EXPLORE_EVERY`): where nothing is accepted (open-ended chat for a copying drafter) an
   exploring row every 16 steps costs a few percent on a CPU whose second row is dear.
 
+Every step run without asking the drafters is counted by the reason of its pause (:attr:`DraftingPolicy.paused_steps`,
+:data:`PAUSE_REASONS`), and the measured rates of steps with and without drafts are kept per batch size: the server
+exports both, so an operator sees where drafting was judged not to pay, and why.
+
 A decoder uses the policy in three calls per step: :meth:`DraftingPolicy.drafting` (ask the drafters at all?),
 :meth:`DraftingPolicy.choose` (which of their drafts to verify) and :meth:`DraftingPolicy.after_step` (how the step
 went).
@@ -178,6 +182,14 @@ def _acceptance_scores(tree: DraftTree, stats: GenerationStats, shares: Sequence
     return tuple(scores)
 
 
+#: Why a step ran without asking the drafters: the kind of pause it was in.
+PAUSE_REASONS = {
+    "cost": "the drafts on offer were not worth their verification and drafting time (the cost rule)",
+    "throughput": "steps with drafts emitted fewer tokens per second than steps without, at this batch size",
+    "measuring": "a plain step, run to keep the rate of steps without drafts measured",
+}
+
+
 class MeasuredRate(NamedTuple):
     """A moving average of measured tokens per second, and how many steps went into it."""
 
@@ -197,6 +209,7 @@ class BatchState:
         rate_without_drafts: the same of steps that verified none.
         throughput_pause_length: length of the last pause set because drafted steps emitted fewer tokens per second
             than plain ones (0 once they did not; see :meth:`DraftingPolicy.after_step`).
+        pause_reason: why drafting is paused (a key of :data:`PAUSE_REASONS`; ``None`` before the first pause).
         drafted_steps_since_plain: measured steps with drafts since the last one without.
         steps_since_verified_draft: steps since one verified a draft node (see :func:`explore`).
         explore_wait: steps without a verified node before the next exploration (0: the policy's
@@ -209,6 +222,7 @@ class BatchState:
     rate_with_drafts: MeasuredRate | None = None
     rate_without_drafts: MeasuredRate | None = None
     throughput_pause_length: int = 0
+    pause_reason: str | None = None
     drafted_steps_since_plain: int = 0
     steps_since_verified_draft: int = 0
     explore_wait: int = 0
@@ -253,6 +267,8 @@ class DraftingPolicy:
     Attributes:
         latency: the forward-time model.
         states: what is kept per batch size (see :meth:`state`).
+        paused_steps: steps run without asking the drafters, by the reason of their pause (keys of
+            :data:`PAUSE_REASONS`), over every batch size.
     """
 
     #: Longest pause in drafting, in steps, once drafting stopped paying at a batch size.
@@ -282,6 +298,7 @@ class DraftingPolicy:
     ) -> None:
         self.latency = latency
         self.states: dict[int, BatchState] = {}
+        self.paused_steps: dict[str, int] = dict.fromkeys(PAUSE_REASONS, 0)
         if max_draft_pause is not None:
             self.MAX_DRAFT_PAUSE = max_draft_pause
         if rate_smoothing is not None:
@@ -304,6 +321,8 @@ class DraftingPolicy:
         """Whether to ask the drafters this step, at ``batch_size`` sequences; a paused step is used up."""
         state = self.state(batch_size)
         drafting = state.paused_steps_left == 0
+        if not drafting:
+            self.paused_steps[state.pause_reason or "cost"] += 1
         state.paused_steps_left = max(0, state.paused_steps_left - 1)
         return drafting
 
@@ -375,6 +394,7 @@ class DraftingPolicy:
         else:
             state.pause_length = self._longer_pause(state.pause_length)
             state.paused_steps_left = state.pause_length
+            state.pause_reason = "cost"
 
     def after_step(
         self, batch_size: int, drafted: bool, tokens: int, seconds: float, *, exploring: bool = False,
@@ -414,13 +434,15 @@ class DraftingPolicy:
             state.drafted_steps_since_plain >= self.PLAIN_STEP_EVERY
             or state.measured_steps(False) < self.RATE_MIN_STEPS
         ):
-            state.paused_steps_left = max(state.paused_steps_left, 1)  # the next step at this batch size runs plain
+            if not state.paused_steps_left:  # the next step at this batch size runs plain
+                state.paused_steps_left, state.pause_reason = 1, "measuring"
         if not drafted or any(state.measured_steps(kind) < self.RATE_MIN_STEPS for kind in (True, False)):
             return
         assert state.rate_with_drafts is not None and state.rate_without_drafts is not None
         if state.rate_with_drafts.tokens_per_second < state.rate_without_drafts.tokens_per_second:
             state.throughput_pause_length = self._longer_pause(state.throughput_pause_length)
-            state.paused_steps_left = max(state.paused_steps_left, state.throughput_pause_length)
+            if state.throughput_pause_length >= state.paused_steps_left:
+                state.paused_steps_left, state.pause_reason = state.throughput_pause_length, "throughput"
         else:
             state.throughput_pause_length = 0
 

@@ -7,6 +7,7 @@
   depth k was accepted among steps that reached depth k with a draft on offer there.
 - tokens/s: emitted tokens / generation time (first forward to last token; tokenization outside).
 - queue time: seconds a batched sequence waited for a free slot before its first forward (not in generation time).
+- cached prompt tokens: prompt positions restored from the prefix cache instead of prefilled.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class GenerationStats:
     time_to_first_token_s: float = 0.0
     queue_time_s: float = 0.0
     draft_time_s: float = 0.0
+    cached_prompt_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     attempts_per_position: list[int] = field(default_factory=list)
     accepts_per_position: list[int] = field(default_factory=list)

@@ -8,7 +8,8 @@ With an API key (:func:`create_app`'s ``api_key``) every request but ``GET /heal
 (:class:`APIKeyCheck`).
 
 Every response carries the request's speculation statistics in the extension field ``draftwise`` (in a stream: in
-the chunk that carries the finish reason, and in the usage chunk):
+the chunk that carries the finish reason, and in the usage chunk); the usage names, as OpenAI's does, the prompt
+tokens restored from the prefix cache (``prompt_tokens_details.cached_tokens``). The statistics:
 ``method``, ``steps`` (forward passes), ``mean_accepted_tokens`` (new tokens / steps), ``mean_acceptance_length``
 (1 + accepted / drafts, vLLM's definition), ``draft_acceptance_rate`` (accepted / drafted tokens), ``drafts``,
 ``drafted_tokens``, ``accepted_tokens``, ``acceptance_per_position``, ``queue_time_s``, ``time_to_first_token_s``
@@ -36,7 +37,7 @@ from ..decoding.logprobs import TokenLogprob
 from ..decoding.stats import GenerationStats
 from ..errors import InvalidRequestError
 from .defaults import DEFAULT_MAX_TOKENS
-from .engine import ServerBusyError, ServingEngine, TokenEvent
+from .engine import EngineStoppedError, ServerBusyError, ServingEngine, TokenEvent
 from .protocol import FINISH_REASONS, ChatCompletionRequest, CompletionRequest, max_new_tokens
 
 #: How often a waiting non-streaming request checks whether its client is still there.
@@ -136,6 +137,8 @@ class Server:
         try:
             ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids,
                                         logprobs, prompt_logprobs, min_new_tokens=request.min_tokens)
+        except EngineStoppedError as error:
+            raise APIError(503, str(error), kind="server_error", code="engine_dead") from None
         except ServerBusyError as error:
             self.engine.metrics.request_refused()
             raise APIError(503, str(error), kind="server_overloaded", code="queue_full",
@@ -178,9 +181,13 @@ class Server:
 
     # -- answers --------------------------------------------------------------------------------------------------
 
-    def _usage(self, job: _Job, completion_tokens: int) -> dict[str, int]:
+    def _usage(self, job: _Job, completion_tokens: int) -> dict[str, Any]:
+        """OpenAI's usage: token counts, and the prompt tokens restored from the prefix cache."""
         prompt = len(job.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+        state = job.ticket.state
+        cached = state.stats.cached_prompt_tokens if state is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _chunk_choice(self, job: _Job, piece: str, finish_reason: str | None, first: bool,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -23,10 +23,11 @@ from ..backend.target import Target, as_target
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS, Scheduler
 from ..decoding.engine import DEFAULT_BUDGET, Decoder, SequenceState
 from ..decoding.logprobs import TokenLogprob
+from ..decoding.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from ..decoding.sampling import SamplingParams
 from ..decoding.stats import GenerationStats
 from ..drafters import Drafter, make_drafter
-from ..errors import DraftwiseError, UnsupportedOptionError
+from ..errors import DraftwiseError, InvalidRequestError, UnsupportedOptionError
 from .defaults import DEFAULT_MAX_WAITING
 from .metrics import ServerMetrics
 
@@ -61,8 +62,18 @@ def on_passing_thread(build: Callable[[], T]) -> T:
     return outcome.result()
 
 
+def check_prefix_cache_bytes(value: int) -> None:
+    """Refuse a prefix cache bound that is not a whole number of bytes >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"the prefix cache's size must be a whole number of bytes >= 0 (0: off), not {value!r}")
+
+
 class ServerBusyError(DraftwiseError):
     """The request queue is full: try again later."""
+
+
+class EngineStoppedError(ServerBusyError):
+    """The engine's worker thread has stopped: this server (replica) serves nothing more."""
 
 
 @dataclass
@@ -113,6 +124,10 @@ class ServingEngine:
         max_waiting: most requests waiting for a slot; more are refused with :class:`ServerBusyError`.
         budget: most draft nodes per sequence and step.
         metrics: where counters and histograms go (a fresh registry when ``None``).
+        prefix_cache_bytes: most bytes of keys and values kept for prefix caching (prompts and outputs of earlier
+            requests reused by later ones that begin the same way, :mod:`draftwise.decoding.prefix_cache`); 0: off.
+            Where the target cannot reuse positions bitwise, prefix caching is off (``prefix_caching_off`` says
+            why).
     """
 
     def __init__(
@@ -126,12 +141,25 @@ class ServingEngine:
         budget: int = DEFAULT_BUDGET,
         metrics: ServerMetrics | None = None,
         max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
+        check_prefix_cache_bytes(prefix_cache_bytes)
         self.target: Target = as_target(model)
         self.tokenizer = tokenizer
         self.method = method if isinstance(method, str) else (method.name or type(method).__name__)
         self.drafter = method if isinstance(method, Drafter) else make_drafter(method)
-        self.decoder = Decoder(self.target, budget=budget)
+        #: Why prompts are not reused across requests (``None`` while prefix caching is on).
+        self.prefix_caching_off: str | None = None
+        prefix_cache = None
+        if not prefix_cache_bytes:
+            self.prefix_caching_off = "switched off"
+        elif not self.target.prefix_caching:
+            self.prefix_caching_off = ("this model's prompts are not prefilled as verification rows (prefix caching "
+                                       "needs the lean forward with its compiled kernels)")
+            logger.warning("prefix caching is off: %s", self.prefix_caching_off)
+        else:
+            prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.decoder = Decoder(self.target, budget=budget, prefix_cache=prefix_cache)
         self.scheduler = Scheduler(self.decoder, max_batch, max_prefill_rows)
         self.max_waiting = max_waiting
         self.eos = eos_token_ids(self.target.model, tokenizer)
@@ -144,6 +172,11 @@ class ServingEngine:
         self._seen: dict[int, tuple[int, int, int, list[int]]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        #: Why the worker thread stopped by itself (``None`` while it runs, or when :meth:`stop` stopped it).
+        self.stopped_because: str | None = None
+        self._prefix_counted = (0, 0)  # the prefix cache's (queried, hit) tokens already in the metrics
+        self._paused_counted: dict[str, int] = {}  # the policy's paused steps already in the metrics
+        self._rates_exported: dict[tuple[int, bool], Any] = {}  # the measured step rates last exported
 
     # -- any thread ---------------------------------------------------------------------------------------------
 
@@ -197,12 +230,14 @@ class ServingEngine:
             min_new_tokens=min_new_tokens,
         )
         with self._lock:
+            if self.stopped_because is not None:
+                raise EngineStoppedError(self.stopped_because)
             if self._pending + len(self.scheduler.waiting) >= self.max_waiting:
                 raise ServerBusyError(
                     f"the server is at capacity ({self.max_waiting} requests waiting); retry later"
                 )
             self._pending += 1
-        self._inbox.put(ticket)
+            self._inbox.put(ticket)  # (under the lock: a dying worker takes it and answers it, or refuses it above)
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
@@ -228,7 +263,7 @@ class ServingEngine:
     @property
     def alive(self) -> bool:
         """Whether the worker thread is running (a stopped or crashed engine serves nothing)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.stopped_because is None
 
     @property
     def running(self) -> int:
@@ -242,6 +277,19 @@ class ServingEngine:
     # -- the worker thread ----------------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:
+            # Not a failed step (those are answered and the loop goes on): the thread itself is going (an exit
+            # raised in a forward, say). Every request it holds or will never take hears so, none is left hanging;
+            # later ones are refused (submit), and /health and Serve's health check see a dead engine.
+            logger.critical("the decoding engine's worker thread stopped", exc_info=True)
+            with self._lock:
+                self.stopped_because = f"the decoding engine stopped: {type(error).__name__}: {error}"
+            self._fail_all(self.stopped_because)
+            raise
+
+    def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stopping.is_set():
             self._take_inbox(block=self.scheduler.idle)
@@ -257,6 +305,8 @@ class ServingEngine:
             for state, event in events:
                 self._deliver(state, event.tokens, event.finish_reason)
             self.metrics.set_load(self.running, self.waiting)
+            self._count_prefix_cache()
+            self._count_drafting_decisions()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -341,7 +391,44 @@ class ServingEngine:
         self.metrics.count_drafts(now[0] - before[0], now[1] - before[1], now[2] - before[2], per_position)
         self._seen[id(state)] = now
 
+    def _count_drafting_decisions(self) -> None:
+        """Export the drafting policy's pauses since the last step and the measured rates that changed."""
+        policy = self.decoder.policy
+        paused = {reason: steps - self._paused_counted.get(reason, 0) for reason, steps in policy.paused_steps.items()}
+        rates = {}
+        for batch_size, state in policy.states.items():
+            for drafted in (True, False):
+                measured = state.rate(drafted)
+                if measured is not None and self._rates_exported.get((batch_size, drafted)) != measured:
+                    rates[(batch_size, drafted)] = measured.tokens_per_second
+                    self._rates_exported[(batch_size, drafted)] = measured
+        if any(paused.values()) or rates:
+            self.metrics.count_drafting_decisions(paused, rates)
+            self._paused_counted = dict(policy.paused_steps)
+
+    def _count_prefix_cache(self) -> None:
+        cache = self.decoder.prefix_cache
+        if cache is None:
+            return
+        queried, hit = self._prefix_counted
+        if cache.queried_tokens != queried or cache.hit_tokens != hit:
+            self.metrics.count_prefix_cache(cache.queried_tokens - queried, cache.hit_tokens - hit, cache.bytes)
+            self._prefix_counted = (cache.queried_tokens, cache.hit_tokens)
+
     def _fail_all(self, message: str) -> None:
+        if self.stopped_because is not None:  # (nothing will take the inbox's requests: they fail too)
+            with self._lock:
+                self._pending = 0
+            try:
+                while True:
+                    ticket = self._inbox.get_nowait()
+                    if ticket is not None and not ticket.cancelled:
+                        try:
+                            ticket.on_event(TokenEvent([], "error", None, message))
+                        except Exception:  # noqa: BLE001
+                            logger.exception("a request's listener failed")
+            except queue.Empty:
+                pass
         for state in [*self.scheduler.running, *self.scheduler.prefilling, *self.scheduler.waiting]:
             ticket = self._tickets.get(id(state))
             self.scheduler.cancel(state)

@@ -12,6 +12,13 @@ The metrics carry guidellm's names and definitions, so a run here reads like a g
 - ``requests_per_second``, ``request_totals`` (successful, errored, and incomplete: with ``ignore_eos``, answers
   shorter than asked, which a server cut short).
 
+With ``turns`` above 1 (the conversation profile) each client holds a conversation: its first request is a prompt,
+and each follow-up turn resends the conversation so far (the earlier prompts and answers) with one of
+:data:`FOLLOW_UPS` as the next user message, as chat clients do; the follow-up turns' time to first token is
+reported on its own (``follow_up_time_to_first_token_ms``, against ``first_turn_time_to_first_token_ms``): it is what
+prefix caching saves. Each conversation's requests carry its ``x-session-id`` header (a Ray Serve deployment keeps
+them on one replica).
+
 Output tokens are the server's ``usage.completion_tokens`` (streams ask for the usage chunk), else the chunks with
 text. Against a draftwise server each level also reads the speculation counters of ``/metrics`` before and after it:
 how many sequence steps drafted, the mean acceptance length and the tokens each sequence step gave.
@@ -34,6 +41,14 @@ from ..files import read_text_file
 
 #: The concurrency levels of ``draftwise loadtest --sweep`` without a list.
 DEFAULT_SWEEP = (1, 4, 16)
+#: The user messages of a conversation's follow-up turns (the profile's turn ``t`` sends ``FOLLOW_UPS[t - 1]``,
+#: cycling): short, as a chat user's next message mostly is, so that a turn's prompt is mostly the conversation.
+FOLLOW_UPS = (
+    "Can you explain that in more detail?",
+    "Summarize your answer in two sentences.",
+    "What would you change to make it better?",
+    "Give one more example.",
+)
 
 
 @dataclass
@@ -45,6 +60,8 @@ class RequestRecord:
     output_tokens: int
     first_token: float | None = None  # None: not streamed (or no text came)
     last_token: float | None = None
+    turn: int = 0  # its turn in a conversation (0: the first)
+    cached_tokens: int | None = None  # prompt tokens the server reported restored from its prefix cache
 
     @property
     def request_latency(self) -> float:
@@ -103,9 +120,19 @@ class LoadReport:
     def metrics(self) -> dict[str, Any]:
         """The level's metrics under guidellm's names (distributions: mean, median, p95, p99)."""
 
-        def values(name: str) -> list[float]:
-            return [value for record in self.records if (value := getattr(record, name)) is not None]
+        def values(name: str, records: Sequence[RequestRecord] = self.records) -> list[float]:
+            return [value for record in records if (value := getattr(record, name)) is not None]
 
+        follow_ups = [record for record in self.records if record.turn]
+        turns: dict[str, Any] = {}
+        if follow_ups:
+            cached = [record.cached_tokens for record in follow_ups if record.cached_tokens is not None]
+            turns = {
+                "first_turn_time_to_first_token_ms": distribution(
+                    values("time_to_first_token_ms", [record for record in self.records if not record.turn])),
+                "follow_up_time_to_first_token_ms": distribution(values("time_to_first_token_ms", follow_ups)),
+                "follow_up_cached_prompt_tokens": round(sum(cached) / len(cached), 1) if cached else None,
+            }
         return {
             "request_totals": {"successful": len(self.records), "errored": len(self.errors),
                                "incomplete": len(self.incomplete)},
@@ -116,6 +143,7 @@ class LoadReport:
             "time_to_first_token_ms": distribution(values("time_to_first_token_ms")),
             "inter_token_latency_ms": distribution(values("inter_token_latency_ms")),
             "time_per_output_token_ms": distribution(values("time_per_output_token_ms")),
+            **turns,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -147,8 +175,11 @@ async def run_load(
     extra_body: Mapping[str, Any] | None = None,
     timeout_s: float = 600.0,
     api_key: str | None = None,
+    turns: int = 1,
 ) -> LoadReport:
-    """Send ``requests`` requests (prompt ``i % len(prompts)``), at most ``concurrency`` at once.
+    """Send ``requests`` requests (prompt ``i % len(prompts)``), at most ``concurrency`` at once; with ``turns``
+    above 1, ``requests`` conversations of ``turns`` requests each (see the module docstring), a client's turns one
+    after the other.
 
     Args:
         base_url: the server's ``/v1`` address.
@@ -162,7 +193,9 @@ async def run_load(
     """
     from openai import AsyncOpenAI
 
-    report = LoadReport(requests=requests, concurrency=concurrency, stream=stream)
+    if turns < 1:
+        raise InvalidRequestError(f"a conversation has at least one turn, not {turns}")
+    report = LoadReport(requests=requests * turns, concurrency=concurrency, stream=stream)
     gate = asyncio.Semaphore(concurrency)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s, max_retries=0)
     options: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
@@ -172,50 +205,67 @@ async def run_load(
     if body:
         options["extra_body"] = body
 
+    async def request(index: int, turn: int, messages: list[dict[str, str]], prompt: str) -> str | None:
+        """One request; its answer's text (``None`` when it failed or came back short)."""
+        name = f"request {index}" + (f" turn {turn + 1}" if turns > 1 else "")
+        start = time.perf_counter()
+        first = last = None
+        pieces: list[str] = []
+        chunks_with_text = 0
+        usage = None
+        session = {"extra_headers": {"x-session-id": f"loadtest-{index}"}} if turns > 1 else {}
+        try:
+            if chat:
+                answer = await client.chat.completions.create(messages=messages, **options, **session)
+            else:
+                answer = await client.completions.create(prompt=prompt, **options, **session)
+            if stream:
+                async for chunk in answer:
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    if not chunk.choices:
+                        continue
+                    choice = chunk.choices[0]
+                    piece = (choice.delta.content if chat else choice.text) or ""
+                    if piece:
+                        chunks_with_text += 1
+                        last = time.perf_counter()
+                        if first is None:
+                            first = last
+                    pieces.append(piece)
+            else:
+                choice = answer.choices[0]
+                pieces.append((choice.message.content if chat else choice.text) or "")
+                usage = answer.usage
+        except Exception as error:  # noqa: BLE001 - every failure is reported, none stops the test
+            report.errors.append(f"{name}: {type(error).__name__}: {error}")
+            return None
+        end = time.perf_counter()
+        tokens = usage.completion_tokens if usage is not None else chunks_with_text
+        if ignore_eos and tokens < max_tokens:  # (a server that cut the answer short: guidellm's "incomplete")
+            report.incomplete.append(f"{name}: {tokens} of {max_tokens} tokens")
+            return None
+        details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+        cached = getattr(details, "cached_tokens", None) if details is not None else None
+        report.records.append(RequestRecord(start, end, tokens, first, last, turn, cached))
+        return "".join(pieces)
+
     async def one(index: int) -> None:
         prompt = prompts[index % len(prompts)]
         async with gate:
-            start = time.perf_counter()
-            first = last = None
-            pieces: list[str] = []
-            chunks_with_text = 0
-            usage_tokens = None
-            try:
-                if chat:
-                    answer = await client.chat.completions.create(
-                        messages=[{"role": "user", "content": prompt}], **options
-                    )
-                else:
-                    answer = await client.completions.create(prompt=prompt, **options)
-                if stream:
-                    async for chunk in answer:
-                        if chunk.usage is not None:
-                            usage_tokens = chunk.usage.completion_tokens
-                        if not chunk.choices:
-                            continue
-                        choice = chunk.choices[0]
-                        piece = (choice.delta.content if chat else choice.text) or ""
-                        if piece:
-                            chunks_with_text += 1
-                            last = time.perf_counter()
-                            if first is None:
-                                first = last
-                        pieces.append(piece)
-                else:
-                    choice = answer.choices[0]
-                    pieces.append((choice.message.content if chat else choice.text) or "")
-                    usage_tokens = answer.usage.completion_tokens if answer.usage is not None else None
-            except Exception as error:  # noqa: BLE001 - every failure is reported, none stops the test
-                report.errors.append(f"request {index}: {type(error).__name__}: {error}")
-                return
-            end = time.perf_counter()
-            tokens = usage_tokens if usage_tokens is not None else chunks_with_text
-            if ignore_eos and tokens < max_tokens:  # (a server that cut the answer short: guidellm's "incomplete")
-                report.incomplete.append(f"request {index}: {tokens} of {max_tokens} tokens")
-                return
-            report.records.append(RequestRecord(start, end, tokens, first, last))
-            if expected is not None and "".join(pieces) != expected[index % len(prompts)]:
-                report.mismatches.append(index)
+            messages = [{"role": "user", "content": prompt}]
+            text: str | None = ""
+            for turn in range(turns):
+                if turn:
+                    follow_up = FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
+                    messages = [*messages, {"role": "assistant", "content": text or ""},
+                                {"role": "user", "content": follow_up}]
+                    prompt = f"{prompt}{text}\n\n{follow_up}\n\n"
+                text = await request(index, turn, messages, prompt)
+                if text is None:
+                    return
+                if turn == 0 and expected is not None and text != expected[index % len(prompts)]:
+                    report.mismatches.append(index)
 
     started = time.perf_counter()
     try:

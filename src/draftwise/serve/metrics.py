@@ -6,6 +6,13 @@
 - ``draftwise:spec_decode_num_accepted_tokens``: draft tokens accepted.
 - ``draftwise:spec_decode_num_accepted_tokens_per_pos{position}``: accepted draft tokens by depth (0-based).
   Mean acceptance length = 1 + accepted tokens / drafts.
+- ``draftwise:prefix_cache_queries`` and ``draftwise:prefix_cache_hits``: prompt tokens looked up in the prefix
+  cache, and of those the tokens restored from it (vLLM's names; hit rate = hits / queries);
+  ``draftwise:prefix_cache_usage_bytes``: bytes of keys and values it holds.
+- ``draftwise:drafting_paused_steps{reason}``: batch steps run without asking the drafters, by why drafting was
+  paused (``cost``, ``throughput``, ``measuring``: :data:`~draftwise.decoding.policy.PAUSE_REASONS`), and
+  ``draftwise:step_tokens_per_second{batch_size, drafts}``: the measured rates the throughput judge compares, of steps
+  with drafts (``drafts="yes"``) and without, per batch size.
 - request counters and token counters, request latency histograms (end to end, time to first token, time in queue),
   and gauges of running and waiting requests.
 
@@ -52,6 +59,15 @@ class ServerMetrics:
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
         self.first_token = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
         self.queue_time = histogram("request_queue_time_seconds", "Seconds waiting for a slot in the batch.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens restored from the prefix cache.")
+        self.prefix_bytes = Gauge(prefix + "prefix_cache_usage_bytes", "Bytes of keys and values in the prefix cache.",
+                                  registry=self.registry)
+        self.paused_steps = counter("drafting_paused_steps", "Batch steps run without asking the drafters, by reason.",
+                                    ["reason"])
+        self.step_rates = Gauge(prefix + "step_tokens_per_second",
+                                "Measured tokens per second of batch steps with drafts and without, per batch size.",
+                                ["batch_size", "drafts"], registry=self.registry)
         self.running = Gauge(prefix + "num_requests_running", "Requests in the running batch.", registry=self.registry)
         self.waiting = Gauge(prefix + "num_requests_waiting", "Requests waiting for a slot.", registry=self.registry)
 
@@ -75,6 +91,23 @@ class ServerMetrics:
         self.e2e_latency.observe(seconds)
         self.first_token.observe(stats.queue_time_s + stats.time_to_first_token_s)
         self.queue_time.observe(stats.queue_time_s)
+
+    def count_prefix_cache(self, queried: int, hit: int, usage_bytes: int) -> None:
+        """Add prompt tokens looked up and restored since the last call; set the cache's size."""
+        if queried:
+            self.prefix_queries.inc(queried)
+        if hit:
+            self.prefix_hits.inc(hit)
+        self.prefix_bytes.set(usage_bytes)
+
+    def count_drafting_decisions(self, paused_steps: dict[str, int], rates: dict[tuple[int, bool], float]) -> None:
+        """Add batch steps run without drafting since the last call (by reason); set the measured step rates (by
+        batch size and whether the steps drafted)."""
+        for reason, steps in paused_steps.items():
+            if steps:
+                self.paused_steps.labels(reason=reason).inc(steps)
+        for (batch_size, drafted), rate in rates.items():
+            self.step_rates.labels(batch_size=str(batch_size), drafts="yes" if drafted else "no").set(rate)
 
     def request_cancelled(self) -> None:
         self.cancelled.inc()

@@ -36,11 +36,12 @@ from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRoute
 
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS
 from ..decoding.engine import DEFAULT_BUDGET
+from ..decoding.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from ..errors import InvalidRequestError, ModelLoadError
 from ..models import PRESETS, LoadOptions
 from .app import create_app
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAITING
-from .engine import ServingEngine, on_passing_thread
+from .engine import ServingEngine, check_prefix_cache_bytes, on_passing_thread
 from .metrics import LATENCY_BUCKETS, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class ReplicaSpec:
     options: LoadOptions | None = None
     api_key: str | None = None
     protect_metrics: bool = False
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
 
 
 class RayServerMetrics(ServerMetrics):
@@ -118,6 +120,15 @@ class RayServerMetrics(ServerMetrics):
             "e2e": histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token."),
             "first_token": histogram("time_to_first_token_seconds", "Seconds from arrival to the first token."),
             "queue": histogram("request_queue_time_seconds", "Seconds waiting for a slot in the batch."),
+            "prefix_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            "prefix_hits": counter("prefix_cache_hits", "Prompt tokens restored from the prefix cache."),
+            "prefix_bytes": serve_metrics.Gauge(name("prefix_cache_usage_bytes"),
+                                                "Bytes of keys and values in the prefix cache."),
+            "paused_steps": counter("drafting_paused_steps", "Batch steps run without asking the drafters, by reason.",
+                                    ("reason",)),
+            "step_rates": serve_metrics.Gauge(name("step_tokens_per_second"),
+                                              "Measured tokens per second of batch steps with drafts and without.",
+                                              tag_keys=("batch_size", "drafts")),
             "running": serve_metrics.Gauge(name("num_requests_running"), "Requests in the running batch."),
             "waiting": serve_metrics.Gauge(name("num_requests_waiting"), "Requests waiting for a slot."),
         }
@@ -161,6 +172,30 @@ class RayServerMetrics(ServerMetrics):
 
         self._export(record)
 
+    def count_drafting_decisions(self, paused_steps: dict[str, int], rates: dict[tuple[int, bool], float]) -> None:
+        super().count_drafting_decisions(paused_steps, rates)
+
+        def record() -> None:
+            for reason, steps in paused_steps.items():
+                if steps:
+                    self._ray["paused_steps"].inc(steps, tags={"reason": reason})
+            for (batch_size, drafted), rate in rates.items():
+                self._ray["step_rates"].set(rate, tags={"batch_size": str(batch_size), "drafts": "yes" if drafted else "no"})
+
+        self._export(record)
+
+    def count_prefix_cache(self, queried: int, hit: int, usage_bytes: int) -> None:
+        super().count_prefix_cache(queried, hit, usage_bytes)
+
+        def record() -> None:
+            if queried:
+                self._ray["prefix_queries"].inc(queried)
+            if hit:
+                self._ray["prefix_hits"].inc(hit)
+            self._ray["prefix_bytes"].set(usage_bytes)
+
+        self._export(record)
+
     def request_cancelled(self) -> None:
         super().request_cancelled()
         self._export(lambda: self._ray["cancelled"].inc(1))
@@ -199,7 +234,7 @@ class DraftwiseReplica:
                 raise InvalidRequestError(f"{spec.served_model_name} has no tokenizer: the server needs one")
             return ServingEngine(target, tokenizer, spec.method, max_batch=spec.max_batch,
                                  max_waiting=spec.max_waiting, budget=spec.budget, metrics=RayServerMetrics(),
-                                 max_prefill_rows=spec.max_prefill_rows)
+                                 max_prefill_rows=spec.max_prefill_rows, prefix_cache_bytes=spec.prefix_cache_bytes)
 
         self.spec = spec
         # (torch's work then runs on the engine's thread alone: see on_passing_thread)
@@ -276,6 +311,7 @@ def build_app(
     method: str = "pld",
     replicas: int = 1,
     autoscale: tuple[int, int] | None = None,
+    autoscaling_options: dict[str, Any] | None = None,
     cpus_per_replica: float = 1.0,
     gpus_per_replica: float = 0.0,
     threads: int | None = None,
@@ -288,6 +324,7 @@ def build_app(
     health_check_period_s: float = 5.0,
     api_key: str | None = None,
     protect_metrics: bool = False,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     options: LoadOptions | None = None,
     **load_options: Any,
 ) -> serve.Application:
@@ -301,9 +338,13 @@ def build_app(
         replicas: a fixed number of replicas (ignored with ``autoscale``).
         autoscale: ``(min_replicas, max_replicas)``: Serve adds replicas while each has more than one batch of
             ongoing requests, and removes idle ones.
+        autoscaling_options: more fields of Serve's ``AutoscalingConfig`` with ``autoscale`` (say
+            ``{"upscale_delay_s": 5, "downscale_delay_s": 60, "look_back_period_s": 10}``; Serve's defaults: 30, 600
+            and 30 seconds).
         cpus_per_replica, gpus_per_replica: Ray resources each replica reserves.
         threads: torch threads per replica (default: ``cpus_per_replica`` rounded, at least 1).
-        max_batch, max_waiting, budget, default_max_tokens, max_prefill_rows: as for ``draftwise serve``;
+        max_batch, max_waiting, budget, default_max_tokens, max_prefill_rows, prefix_cache_bytes: as for
+            ``draftwise serve`` (:class:`~draftwise.serve.engine.ServingEngine`);
             ``max_waiting`` also bounds the requests queued in Serve's router per replica (more are answered 503).
         session_affinity: route by the ``x-session-id`` header (:class:`SessionAffinityRouter`); otherwise Ray's
             default power-of-two-choices routing.
@@ -320,6 +361,14 @@ def build_app(
         raise InvalidRequestError("autoscale needs 0 <= min replicas <= max replicas and max replicas >= 1")
     if min(max_batch, max_waiting, default_max_tokens, max_prefill_rows) < 1:
         raise InvalidRequestError("max_batch, max_waiting, max_prefill_rows and default_max_tokens must be positive")
+    check_prefix_cache_bytes(prefix_cache_bytes)
+    if autoscaling_options and autoscale is None:
+        raise InvalidRequestError("autoscaling_options apply with autoscale")
+    fields = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
+    unknown = sorted(set(autoscaling_options or {}) - set(fields))
+    if unknown:
+        raise InvalidRequestError(f"unknown autoscaling options {unknown} (Serve's AutoscalingConfig has "
+                                  f"{sorted(fields)})")
     if budget < 0 or cpus_per_replica <= 0 or gpus_per_replica < 0 or (threads is not None and threads < 1):
         raise InvalidRequestError("budget and gpus_per_replica must be >= 0, cpus_per_replica and threads positive")
     if (options is not None or load_options) and not isinstance(model, str):
@@ -347,7 +396,7 @@ def build_app(
                        max_waiting=max_waiting, budget=budget, default_max_tokens=default_max_tokens,
                        max_prefill_rows=max_prefill_rows,
                        threads=threads or max(1, round(cpus_per_replica)), options=options, api_key=api_key,
-                       protect_metrics=protect_metrics)
+                       protect_metrics=protect_metrics, prefix_cache_bytes=prefix_cache_bytes)
     max_ongoing, target_ongoing = replica_limits(max_batch, max_waiting)
     deployment_options: dict[str, Any] = {
         "name": "DraftwiseReplica",
@@ -357,10 +406,13 @@ def build_app(
         "health_check_period_s": health_check_period_s,
     }
     if autoscale is not None:
-        deployment_options["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=autoscale[0], initial_replicas=max(autoscale[0], 1), max_replicas=autoscale[1],
-            target_ongoing_requests=target_ongoing,
-        )
+        settings = {"min_replicas": autoscale[0], "initial_replicas": max(autoscale[0], 1),
+                    "max_replicas": autoscale[1], "target_ongoing_requests": target_ongoing,
+                    **(autoscaling_options or {})}
+        try:
+            deployment_options["autoscaling_config"] = AutoscalingConfig(**settings)
+        except (TypeError, ValueError) as error:
+            raise InvalidRequestError(f"autoscaling options {autoscaling_options}: {error}") from None
     else:
         deployment_options["num_replicas"] = replicas
     if session_affinity:

@@ -512,6 +512,21 @@ class LeanTarget(Target):
             raise ValueError(f"cannot truncate to {length}: {cache.length} positions are committed")
         cache.length = length
 
+    @property
+    def prefix_caching(self) -> bool:  # type: ignore[override]
+        return self.chunked_prefill and self.exact_trees
+
+    def read_positions(self, cache: LeanCache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= start < end <= cache.length:
+            raise ValueError(f"positions {start}..{end - 1} are not all committed ({cache.length} positions)")
+        return cache.read(start, end)
+
+    def write_positions(self, cache: LeanCache, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if start != cache.length:
+            raise ValueError(f"positions are written after the committed ones ({cache.length}), not at {start}")
+        cache.write(start, keys, values)
+        cache.length = start + keys.shape[2]
+
     def commit(self, cache: LeanCache, rows: Sequence[int]) -> None:
         rows = list(rows)
         start = cache.length

@@ -1,7 +1,7 @@
 """The drafter contract: propose a draft tree for the current context, observe how its verification went.
 
 The engine calls :meth:`Drafter.attach` and then :meth:`Drafter.reset` when a sequence starts, :meth:`Drafter.propose` before every verification
-step and :meth:`Drafter.observe` after it. A proposal is a :class:`~draftwise.decoding.tree.DraftTree`: token nodes
+step, :meth:`Drafter.observe` after it and :meth:`Drafter.finish` when the sequence ends. A proposal is a :class:`~draftwise.decoding.tree.DraftTree`: token nodes
 below the last emitted token, optionally scored (so the engine can size the draft against its cost) and optionally
 carrying the draft distributions the nodes were sampled from (model drafters: sampling then verifies by rejection
 sampling, exactly). A drafter that learns from the target's hidden states sets :attr:`Drafter.wants_hidden_states`.
@@ -118,6 +118,11 @@ class Drafter(ABC):
 
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from a verification step. The default ignores it."""
+
+    def finish(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Called when a sequence ends (an end token, a stop sequence or its length; not when it is cancelled), with
+        its prompt and everything it emitted: a drafter that learns from whole answers (earlier outputs to draft
+        later requests from) takes them here. The default ignores it."""
 
     def fork(self) -> Drafter:
         """A drafter for another sequence decoded at the same time: it shares what this one has learned (and learns

@@ -334,6 +334,8 @@ class Decoder:
         sequence.stats.record_step(emitted=1, drafted=0, accepted=0, attempted=0)
         sequence.drafter.attach(SequenceSetup(self.target, sequence.cache, sequence.sampling, self.latency))
         sequence.drafter.reset(sequence.prompt_ids)
+        if sequence.finished:
+            sequence.drafter.finish(sequence.prompt_ids, sequence.output)
         sequence.stats.time_s = time.perf_counter() - sequence.started
         return event
 
@@ -389,6 +391,7 @@ class Decoder:
                 update(sequence, tree, verification, logits, context, event, hidden)
                 if sequence.finished:
                     self.remember(sequence)
+                    sequence.drafter.finish(sequence.prompt_ids, sequence.output)
                 sequence.stats.time_s = time.perf_counter() - sequence.started
                 events_by_sequence[id(sequence)] = event
             # (a step that also prefilled prompt pieces says nothing of drafting's rate; an exploration in it still

@@ -214,12 +214,12 @@ def output_counts(logits: torch.Tensor, context: Sequence[int], tree: DraftTree 
     rows, width = logits.shape
     tails = [history[output_start:] for history in row_histories(context, tree or DraftTree())[:rows]]
     longest = max((len(tail) for tail in tails), default=0)
-    index = torch.full((rows, max(longest, 1)), width, dtype=torch.long)  # (the column past the end: padding)
-    for row, tail in enumerate(tails):
-        index[row, : len(tail)] = torch.tensor(tail, dtype=torch.long)
-    counts = torch.zeros(rows, width + 1)
-    counts.scatter_add_(1, index, torch.ones(index.shape))
-    return counts[:, :width].to(logits.device)
+    # (the column past the end pads short rows; only these ids travel to the logits' device, never a row of counts)
+    padded = [[*tail, *([width] * (max(longest, 1) - len(tail)))] for tail in tails]
+    index = torch.tensor(padded, dtype=torch.long).to(logits.device)
+    counts = torch.zeros(rows, width + 1, device=logits.device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=logits.device))
+    return counts[:, :width]
 
 
 @dataclass(frozen=True)

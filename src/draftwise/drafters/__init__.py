@@ -17,9 +17,10 @@ from .layer_skip import LayerSkipDrafter
 from .lookahead import LookaheadDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .rest import RestDrafter
+from .suffix import SuffixDrafter
 from .token_recycling import TokenRecyclingDrafter
 
-__all__ = ["AdedDrafter", "DraftModelDrafter", "Drafter", "LayerSkipDrafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "TokenRecyclingDrafter", "METHODS", "check_method", "make_drafter", "parse_method", "restore_state", "save_state"]
+__all__ = ["AdedDrafter", "DraftModelDrafter", "Drafter", "LayerSkipDrafter", "LookaheadDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "StepOutcome", "SuffixDrafter", "TokenRecyclingDrafter", "METHODS", "check_method", "make_drafter", "parse_method", "restore_state", "save_state"]
 
 #: Method name -> drafter factory. ``ar`` is plain autoregressive decoding through the same engine.
 METHODS: dict[str, Callable[..., Drafter]] = {
@@ -27,6 +28,7 @@ METHODS: dict[str, Callable[..., Drafter]] = {
     PromptLookupDrafter.name: PromptLookupDrafter,
     TokenRecyclingDrafter.name: TokenRecyclingDrafter,
     RestDrafter.name: RestDrafter,
+    SuffixDrafter.name: SuffixDrafter,
     LookaheadDrafter.name: LookaheadDrafter,
     AdedDrafter.name: AdedDrafter,
     DraftModelDrafter.name: DraftModelDrafter,

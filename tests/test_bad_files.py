@@ -175,6 +175,21 @@ def test_gguf_model_file(tmp_path, capsys, name):
     assert _files_under(cache) == []
 
 
+def test_a_prediction_file_that_is_binary_a_folder_or_missing(tiny_load, tmp_path, capsys):
+    binary = tmp_path / "prediction.txt"
+    binary.write_bytes(BINARY)
+    for path in (binary, tmp_path, tmp_path / "missing.txt"):
+        _check(capsys, cli.main(["generate", "hello", "--prediction-file", str(path)]), path)
+
+
+def test_a_good_prediction_file_is_drafted(tiny_load, tmp_path, capsys):
+    path = tmp_path / "prediction.txt"
+    path.write_text("hello world, hello world")
+    assert cli.main(["generate", "hello", "--prediction-file", str(path), "--max-new-tokens", "8", "--stats"]) == 0
+    stats = json.loads(capsys.readouterr().err)
+    assert stats["accepted_prediction_tokens"] + stats["rejected_prediction_tokens"] > 0
+
+
 def test_a_prompt_file_that_is_a_folder_or_missing(tiny_load, tmp_path, capsys):
     for path in (tmp_path, tmp_path / "missing.jsonl"):
         _check(capsys, cli.main(["bench", "--methods", "ar", "--data", str(path)]), path)

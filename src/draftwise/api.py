@@ -14,6 +14,7 @@ from .decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .decoding.sampling import SamplingParams
 from .decoding.stats import GenerationStats
 from .drafters import Drafter, make_drafter
+from .drafters.prediction import PredictionDrafter
 from .errors import InvalidRequestError, UnsupportedOptionError
 from .models import eos_token_ids
 
@@ -69,13 +70,17 @@ class GenerationResult:
 
     def summary(self) -> dict[str, Any]:
         """The method, why generation ended and the main statistics, rounded, as JSON-ready values (with
-        ``drafting_off``: why no drafts were verified, ``None`` where drafting was allowed)."""
+        ``drafting_off``: why no drafts were verified, ``None`` where drafting was allowed; with a prediction, how
+        many of its tokens were accepted and rejected)."""
         stats = self.stats.to_dict()
         summary: dict[str, Any] = {"method": self.method, "finish_reason": self.finish_reason}
         for name, digits in SUMMARY_DIGITS.items():
             value = stats[name]
             summary[name] = [round(item, digits) for item in value] if isinstance(value, list) else round(value, digits)
         summary["drafting_off"] = stats["drafting_off"]
+        if stats["accepted_prediction_tokens"] or stats["rejected_prediction_tokens"]:
+            summary["accepted_prediction_tokens"] = stats["accepted_prediction_tokens"]
+            summary["rejected_prediction_tokens"] = stats["rejected_prediction_tokens"]
         return summary
 
 
@@ -289,6 +294,7 @@ def stream(
     ignore_eos: bool = False,
     min_new_tokens: int = 0,
     logprobs: int | None = None,
+    prediction: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None,
     **options: Any,
 ) -> GenerationStream:
     """Like :func:`generate`, but returns an iterator of text pieces yielded as soon as tokens are accepted (for a
@@ -301,7 +307,7 @@ def stream(
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
                                        chat_template, budget, method_options, sampling, options, ignore_eos,
-                                       logprobs, min_new_tokens)
+                                       logprobs, min_new_tokens, prediction)
 
     def pieces() -> Iterator[Any]:
         texts = [SettledText(request.tokenizer, request.stops, min_new_tokens=request.min_new_tokens)
@@ -332,6 +338,7 @@ def generate(
     ignore_eos: bool = False,
     min_new_tokens: int = 0,
     logprobs: int | None = None,
+    prediction: str | Sequence[int] | Sequence[str | Sequence[int]] | None = None,
     **options: Any,
 ) -> GenerationResult | list[GenerationResult]:
     """Generate text with draft-and-verify decoding; the token ids equal those of plain greedy decoding.
@@ -367,6 +374,11 @@ def generate(
         logprobs: keep each generated token's log-probability with this many alternatives (0 to 20) in
             ``result.logprobs``: log-softmax of the raw logits in float32 (before temperature and the other sampling
             options), from the verification row that decided the token, so exactly plain decoding's.
+        prediction: the text the output is expected to be (OpenAI's Predicted Outputs: the file before an edit, say),
+            or its token ids; for a batch, one per prompt (``None`` entries for none). It is drafted beside the
+            method's drafts wherever the output follows it (:class:`~draftwise.drafters.prediction.PredictionDrafter`);
+            the output is plain decoding's whatever it says, and ``stats.accepted_prediction_tokens`` /
+            ``rejected_prediction_tokens`` count how much of it was used.
         **options: sampling options with transformers' meanings: ``temperature`` (0 = greedy, the default),
             ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``, ``do_sample``. Sampling output has
             exactly the distribution of plain sampling with the same options; with a fixed ``seed`` every token is
@@ -385,7 +397,7 @@ def generate(
     holder: dict[str, Any] = {}
     target, requests, batch = _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
                                        chat_template, budget, method_options, sampling, options, ignore_eos,
-                                       logprobs, min_new_tokens)
+                                       logprobs, min_new_tokens, prediction)
     for _ in _decode(target, requests, budget, latency, max_batch, holder):
         pass
     return holder["results"] if batch else holder["results"][0]
@@ -457,10 +469,38 @@ def _batch_of(prompt: Any, prompt_ids: Any) -> tuple[list[Any], list[Any], bool]
     )
 
 
+def _predictions(prediction: Any, count: int, batch: bool, tokenizer: Any) -> list[list[int] | None]:
+    """Each prompt's prediction as token ids (``None``: no prediction)."""
+    if prediction is None:
+        return [None] * count
+    if batch:
+        if isinstance(prediction, str) or not isinstance(prediction, Sequence) or len(prediction) != count:
+            raise InvalidRequestError(f"a batch of {count} prompts takes a list of {count} predictions "
+                                      "(None where there is none)")
+        items = list(prediction)
+    else:
+        items = [prediction]
+    found: list[list[int] | None] = []
+    for item in items:
+        if item is None:
+            found.append(None)
+        elif isinstance(item, str):
+            if tokenizer is None:
+                raise InvalidRequestError("a text prediction needs a tokenizer (or give its token ids)")
+            found.append(list(tokenizer(item, add_special_tokens=False)["input_ids"]) if item else None)
+        elif isinstance(item, Sequence) and all(isinstance(token, int) and not isinstance(token, bool)
+                                                for token in item):
+            found.append([int(token) for token in item] or None)
+        else:
+            raise InvalidRequestError("a prediction is a string or a list of token ids")
+    return found
+
+
 def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids, chat_template, budget,
              method_options, sampling, options, ignore_eos, logprobs,
-             min_new_tokens) -> tuple[Target, list[_Request], bool]:
+             min_new_tokens, prediction=None) -> tuple[Target, list[_Request], bool]:
     prompts, ids_list, batch = _batch_of(prompt, prompt_ids)
+    predictions = _predictions(prediction, len(prompts), batch, tokenizer)
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise InvalidRequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
@@ -479,6 +519,11 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         check_min_new_tokens(min_new_tokens, max_new_tokens)
         # Later prompts of a batch draft with forks: what a drafter learns, and a draft model it loads, is shared.
         drafter = first_drafter if index == 0 else first_drafter.fork()
+        if predictions[index] is not None:
+            vocabulary = target.config.vocab_size
+            if any(not 0 <= token < vocabulary for token in predictions[index]):
+                raise InvalidRequestError(f"prediction token ids must be in [0, {vocabulary})")
+            drafter = PredictionDrafter(drafter, predictions[index])
         requests.append(_Request(
             tokenizer=tokenizer,
             prompt_ids=ids,
@@ -528,6 +573,9 @@ def _decode(
 
 
 def _result(request: _Request, state: SequenceState) -> GenerationResult:
+    if isinstance(request.drafter, PredictionDrafter):
+        state.stats.accepted_prediction_tokens = request.drafter.accepted_prediction_tokens
+        state.stats.rejected_prediction_tokens = request.drafter.rejected_prediction_tokens
     text = _decode_text(request.tokenizer, state.output)
     if request.stops:
         text = request.stops.cut(text, after=unstoppable_characters(request.tokenizer, state.output,

@@ -27,6 +27,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop sequence (repeatable)")
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                         help=f"most draft nodes per step (default {DEFAULT_BUDGET})")
+    parser.add_argument("--prediction-file", default=None,
+                        help="the expected output (the file before an edit, say), drafted wherever the output follows "
+                             "it (OpenAI's Predicted Outputs); the output is plain decoding's whatever it says")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     parser.add_argument("--stats", action="store_true", help="print statistics to standard error")
     parser.add_argument("--state", default=None,
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     options = load_options(args)
     prompt = read_prompt(args)
+    prediction = read_text_file(args.prediction_file, "prediction file") if args.prediction_file else None
     drafter = make_drafter(args.method)
     if args.state is not None:
         restore_state(drafter, args.state)
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         chat_template=chat,
         budget=args.budget,
+        prediction=prediction,
         **sampling_options(args),
     )
     for piece in pieces:

@@ -28,6 +28,9 @@ class GenerationStats:
     queue_time_s: float = 0.0
     draft_time_s: float = 0.0
     cached_prompt_tokens: int = 0
+    #: With a prediction (OpenAI's Predicted Outputs): its tokens drafted and accepted, and the rest of it.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     attempts_per_position: list[int] = field(default_factory=list)
     accepts_per_position: list[int] = field(default_factory=list)

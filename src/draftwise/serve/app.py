@@ -136,7 +136,8 @@ class Server:
         prompt_logprobs = isinstance(request, CompletionRequest) and request.prompt_logprobs_asked()
         try:
             ticket = self.engine.submit(prompt_ids, limit, on_event, sampling, stops, request.ignore_eos, stop_ids,
-                                        logprobs, prompt_logprobs, min_new_tokens=request.min_tokens)
+                                        logprobs, prompt_logprobs, min_new_tokens=request.min_tokens,
+                                        prediction_ids=self._prediction_ids(request))
         except EngineStoppedError as error:
             raise APIError(503, str(error), kind="server_error", code="engine_dead") from None
         except ServerBusyError as error:
@@ -148,6 +149,12 @@ class Server:
                     f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request.include_stop_str_in_output,
                     request.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                     min_new_tokens=request.min_tokens)
+
+    def _prediction_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
+        """The token ids of the request's predicted output (``None`` without one)."""
+        if request.prediction is None or not request.prediction.text():
+            return None
+        return list(self.engine.tokenizer(request.prediction.text(), add_special_tokens=False)["input_ids"])
 
     def _prompt_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -182,12 +189,21 @@ class Server:
     # -- answers --------------------------------------------------------------------------------------------------
 
     def _usage(self, job: _Job, completion_tokens: int) -> dict[str, Any]:
-        """OpenAI's usage: token counts, and the prompt tokens restored from the prefix cache."""
+        """OpenAI's usage: token counts, the prompt tokens restored from the prefix cache, and with a prediction how
+        much of it was accepted."""
         prompt = len(job.prompt_ids)
         state = job.ticket.state
         cached = state.stats.cached_prompt_tokens if state is not None else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        predicted = job.ticket.predicted
+        if job.ticket.prediction:  # (OpenAI's Predicted Outputs: how much of the prediction was used)
+            accepted = predicted.accepted_prediction_tokens if predicted is not None else 0
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": len(job.ticket.prediction) - accepted,
+            }
+        return usage
 
     def _chunk_choice(self, job: _Job, piece: str, finish_reason: str | None, first: bool,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from ..decoding.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from ..decoding.sampling import SamplingParams
 from ..decoding.stats import GenerationStats
 from ..drafters import Drafter, make_drafter
+from ..drafters.prediction import PredictionDrafter
 from ..errors import DraftwiseError, InvalidRequestError, UnsupportedOptionError
 from .defaults import DEFAULT_MAX_WAITING
 from .metrics import ServerMetrics
@@ -105,7 +106,9 @@ class Ticket:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     min_new_tokens: int = 0
+    prediction: list[int] | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    predicted: PredictionDrafter | None = None  # the request's drafter, with a prediction
     state: SequenceState | None = None
     cancelled: bool = False
 
@@ -200,12 +203,14 @@ class ServingEngine:
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
         min_new_tokens: int = 0,
+        prediction_ids: Sequence[int] | None = None,
     ) -> Ticket:
         """Queue a request; ``on_event`` is called on the worker thread with each step's tokens for it
         (``ignore_eos``: go on past end-of-sequence tokens, up to ``max_new_tokens``; ``stop_token_ids``: more
         tokens that end it, kept in the output, as vLLM does, even with ``ignore_eos``; ``logprobs``: every token's
         log-probability comes with it, with that many alternatives; ``prompt_logprobs``: so do the prompt's, with
-        the first tokens; ``min_new_tokens``: tokens generated before an end token or a stop sequence may end it).
+        the first tokens; ``min_new_tokens``: tokens generated before an end token or a stop sequence may end it;
+        ``prediction_ids``: the expected output, drafted beside the method's drafts, as OpenAI's Predicted Outputs).
 
         Raises:
             InvalidRequestError: a request the engine cannot serve.
@@ -214,6 +219,9 @@ class ServingEngine:
         self.check(prompt_ids, max_new_tokens)
         check_min_new_tokens(min_new_tokens, max_new_tokens)
         check_logit_bias(sampling or SamplingParams(), self.target.config.vocab_size)
+        vocabulary = self.target.config.vocab_size
+        if prediction_ids is not None and any(not 0 <= int(token) < vocabulary for token in prediction_ids):
+            raise InvalidRequestError(f"prediction token ids must be in [0, {vocabulary})")
         if prompt_logprobs and (logprobs is None or not self.target.chunked_prefill):
             raise UnsupportedOptionError(
                 "the prompt's log-probabilities need logprobs and a model whose prompts are prefilled as verification "
@@ -228,6 +236,7 @@ class ServingEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             min_new_tokens=min_new_tokens,
+            prediction=[int(token) for token in prediction_ids] if prediction_ids else None,
         )
         with self._lock:
             if self.stopped_because is not None:
@@ -323,9 +332,12 @@ class ServingEngine:
             self._pending -= 1
         if ticket.cancelled:
             return
+        drafter = self.drafter.fork()
+        if ticket.prediction:
+            drafter = ticket.predicted = PredictionDrafter(drafter, ticket.prediction)
         state = self.decoder.start(
             ticket.prompt_ids,
-            self.drafter.fork(),
+            drafter,
             max_new_tokens=ticket.max_new_tokens,
             eos_token_ids=ticket.eos,
             is_stopped=ticket.stops,

@@ -7,7 +7,7 @@ extensions with a meaning here are honoured as vLLM honours them: ``top_k``, ``m
 (transformers' meanings), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI's meanings),
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats`` and ``echo`` on completions; ``model`` may be
-omitted (the served model). Log-probabilities (``logprobs``/``top_logprobs`` on chat, ``logprobs`` on completions) are
+omitted (the served model). OpenAI's ``prediction`` (Predicted Outputs) is drafted, never changing a token. Log-probabilities (``logprobs``/``top_logprobs`` on chat, ``logprobs`` on completions) are
 those of plain decoding, exactly (see :mod:`draftwise.decoding.logprobs`); with ``echo`` on completions, the
 prompt's too.
 """
@@ -58,6 +58,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the text the answer is expected to be (``{"type": "content", "content": ...}``),
+    drafted wherever the answer follows it; the answer is plain decoding's whatever it says."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class _Request(BaseModel):
     """Fields common to both endpoints."""
 
@@ -83,6 +101,7 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs
     # Accepted only at their "off" values (see OFF_ONLY).
     n: int | None = None
     best_of: int | None = None
@@ -162,12 +181,6 @@ class CompletionRequest(_Request):
         if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
             raise ValueError("the prompt is empty")
         return prompt
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

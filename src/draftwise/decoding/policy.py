@@ -430,12 +430,11 @@ class DraftingPolicy:
         else:
             state.rate_without_drafts = updated
         state.drafted_steps_since_plain = state.drafted_steps_since_plain + 1 if drafted else 0
-        if drafted and (
+        if drafted and not state.paused_steps_left and (
             state.drafted_steps_since_plain >= self.PLAIN_STEP_EVERY
             or state.measured_steps(False) < self.RATE_MIN_STEPS
-        ):
-            if not state.paused_steps_left:  # the next step at this batch size runs plain
-                state.paused_steps_left, state.pause_reason = 1, "measuring"
+        ):  # the next step at this batch size runs plain
+            state.paused_steps_left, state.pause_reason = 1, "measuring"
         if not drafted or any(state.measured_steps(kind) < self.RATE_MIN_STEPS for kind in (True, False)):
             return
         assert state.rate_with_drafts is not None and state.rate_without_drafts is not None

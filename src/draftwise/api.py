@@ -239,6 +239,12 @@ def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab_size}")
 
 
+def check_prediction(prediction_ids: Sequence[int], vocab_size: int) -> None:
+    """Refuse a prediction that holds a token id outside the model's vocabulary."""
+    if any(not 0 <= int(token) < vocab_size for token in prediction_ids):
+        raise InvalidRequestError(f"prediction token ids must be in [0, {vocab_size})")
+
+
 def check_min_new_tokens(min_new_tokens: int, max_new_tokens: int) -> None:
     """Refuse a ``min_new_tokens`` that is not a whole number from 0 to ``max_new_tokens`` (checked already)."""
     if (isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int)
@@ -520,9 +526,7 @@ def _prepare(model, tokenizer, prompt, method, max_new_tokens, stop, prompt_ids,
         # Later prompts of a batch draft with forks: what a drafter learns, and a draft model it loads, is shared.
         drafter = first_drafter if index == 0 else first_drafter.fork()
         if predictions[index] is not None:
-            vocabulary = target.config.vocab_size
-            if any(not 0 <= token < vocabulary for token in predictions[index]):
-                raise InvalidRequestError(f"prediction token ids must be in [0, {vocabulary})")
+            check_prediction(predictions[index], target.config.vocab_size)
             drafter = PredictionDrafter(drafter, predictions[index])
         requests.append(_Request(
             tokenizer=tokenizer,

@@ -119,10 +119,9 @@ class PredictionDrafter(Drafter):
     def _follow(self, output: Sequence[int]) -> tuple[tuple[int, ...], tuple[str, int] | None]:
         """The prediction's tokens after where ``output`` stands in it, and the kind of match (``((), None)`` when
         the output's last tokens occur nowhere in the prediction)."""
-        for n in range(min(self.max_ngram, len(output)), 0, -1):
-            ends = self.index.continuations(output, n)
-            if ends:
-                ahead = [end for end in ends if end >= self._cursor]
-                self._cursor = min(ahead) if ahead else max(ends)
-                return self.prediction[self._cursor : self._cursor + self.max_length], ("match", min(n, 4))
-        return (), None
+        n, ends = self.index.longest(output)
+        if not ends:
+            return (), None
+        ahead = [end for end in ends if end >= self._cursor]
+        self._cursor = min(ahead) if ahead else max(ends)
+        return self.prediction[self._cursor : self._cursor + self.max_length], ("match", min(n, 4))

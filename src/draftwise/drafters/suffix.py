@@ -23,7 +23,7 @@ Updates are incremental: a step indexes only the tokens it added (a few dictiona
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..decoding.drafter import Drafter, StepOutcome
 from ..decoding.tree import DraftTree
@@ -95,11 +95,11 @@ class SuffixDrafter(Drafter):
     def propose(self, context: Sequence[int], budget: int) -> DraftTree:
         self.index.extend(context)
         best: tuple[float, dict[tuple[int, ...], float], tuple[str, int]] | None = None
-        sources = [("request", context, lambda n: self.index.continuations(context, n))]
+        sources = [("request", context, self.index)]
         if self._global.index is not None:
-            sources.append(("global", self._global.tokens, lambda n: self._global.continuations(context, n)))
-        for source, tokens, lookup in sources:
-            found = self._scores(source, tokens, lookup, context)
+            sources.append(("global", self._global.tokens, self._global.index))
+        for source, tokens, index in sources:
+            found = self._scores(source, tokens, index, context)
             if found is not None and (best is None or found[0] > best[0]):
                 best = found
         if best is None:
@@ -114,16 +114,12 @@ class SuffixDrafter(Drafter):
 
     # ------------------------------------------------------------------------------------------------ drafting
 
-    def _scores(self, source: str, tokens: Sequence[int], lookup: Callable[[int], list[int]], query: Sequence[int]
+    def _scores(self, source: str, tokens: Sequence[int], index: NGramIndex, query: Sequence[int]
                 ) -> tuple[float, dict[tuple[int, ...], float], tuple[str, int]] | None:
-        """The scored tree of the continuations in ``tokens`` of ``query``'s longest suffix that ``lookup(n)`` (the
-        positions after earlier occurrences of its last ``n`` tokens, most recent first) finds:
-        ``(expected tokens, path scores, kind)``, or ``None`` without a match."""
-        for n in range(min(self.max_ngram, len(query)), 0, -1):
-            ends = lookup(n)
-            if ends:
-                break
-        else:
+        """The scored tree of the continuations in ``tokens`` (indexed by ``index``) of ``query``'s longest suffix
+        found there: ``(expected tokens, path scores, kind)``, or ``None`` without a match."""
+        n, ends = index.longest(query)
+        if not ends:
             return None
         ends = ends[: self.max_occurrences]
         match = max(self._match_length(tokens, end, query, n) for end in ends[:4])
@@ -189,9 +185,3 @@ class _GlobalOutputs:
         if self.index is None:
             self.index = NGramIndex(1, self.max_ngram)
         self.index.extend(self.tokens)
-
-    def continuations(self, query: Sequence[int], n: int) -> list[int]:
-        if self.index is None or len(query) < n:
-            return []
-        # (the index is keyed by n-grams: the query's suffix is looked up as the last n tokens of a sequence)
-        return self.index.continuations(list(query[len(query) - n :]), n)

@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..api import StopSequences, check_logit_bias, check_min_new_tokens, check_request, eos_token_ids
+from ..api import (
+    StopSequences,
+    check_logit_bias,
+    check_min_new_tokens,
+    check_prediction,
+    check_request,
+    eos_token_ids,
+)
 from ..backend.target import Target, as_target
 from ..decoding.batch import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_ROWS, Scheduler
 from ..decoding.engine import DEFAULT_BUDGET, Decoder, SequenceState
@@ -219,9 +226,8 @@ class ServingEngine:
         self.check(prompt_ids, max_new_tokens)
         check_min_new_tokens(min_new_tokens, max_new_tokens)
         check_logit_bias(sampling or SamplingParams(), self.target.config.vocab_size)
-        vocabulary = self.target.config.vocab_size
-        if prediction_ids is not None and any(not 0 <= int(token) < vocabulary for token in prediction_ids):
-            raise InvalidRequestError(f"prediction token ids must be in [0, {vocabulary})")
+        if prediction_ids is not None:
+            check_prediction(prediction_ids, self.target.config.vocab_size)
         if prompt_logprobs and (logprobs is None or not self.target.chunked_prefill):
             raise UnsupportedOptionError(
                 "the prompt's log-probabilities need logprobs and a model whose prompts are prefilled as verification "

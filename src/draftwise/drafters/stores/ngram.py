@@ -53,6 +53,15 @@ class NGramIndex:
         found = self._positions.get(tuple(tokens[len(tokens) - n :]))
         return found[::-1] if found else []
 
+    def longest(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
+        """The longest ``n`` whose last ``n`` tokens of ``tokens`` occurred earlier, with :meth:`continuations`'
+        positions (most recent first); ``(0, [])`` when none did."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            ends = self.continuations(tokens, n)
+            if ends:
+                return n, ends
+        return 0, []
+
     def copies(self, tokens: Sequence[int], length: int, limit: int) -> list[tuple[int, tuple[int, ...]]]:
         """Up to ``limit`` distinct continuations (``length`` tokens at most) of earlier occurrences of the last
         n-gram of ``tokens``, longest n first, most recent first; each with the ``n`` that matched.

@@ -48,9 +48,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_dtypes: bool = 
                         "given; float otherwise)")
     parser.add_argument("--activation-bits", type=int, default=defaults.activation_bits, choices=list(ACTIVATION_BITS),
                         help="with quantised weights on the CPU kernels: each row's activations quantised per 32 "
-                        "inputs to 16 bits (the float model's top token almost everywhere) or 8 (llama.cpp's precision: "
-                        "faster, the float model's top token at 95-99 %% of positions); default: the model's, 8 for "
-                        "the qwen2.5-coder-1.5b preset's file as shipped (98.6 %% there), 16 otherwise")
+                        "inputs to 16 bits (the float model's top token almost everywhere) or 8 (llama.cpp's precision, "
+                        "per 128 inputs over k-quants: faster, the float model's top token at 95-98 %% of positions); "
+                        "default: the model's, 8 for the qwen2.5-coder-1.5b preset's file as shipped (97.6 %% there), "
+                        "16 otherwise")
     parser.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=KV_CACHE_CHOICES,
                         help="what the caches keep keys and values in (default auto: float16 beside quantised weights "
                         "on the CPU kernels, as llama.cpp's cache, the model's dtype otherwise)")

@@ -60,7 +60,7 @@ class LoadOptions:
             ``"file"`` for a GGUF file or preset on a CPU the compiled kernels run on, unless a dtype is asked for,
             ``"float"`` otherwise (:func:`draftwise.models.default_weights`).
         activation_bits: with quantised weights on the compiled CPU kernels, the precision each row's activations are
-            quantised to per group of 32 inputs, 16 or 8; ``None``: the model's
+            quantised to, 16 (per group of 32 inputs) or 8 (per group of 32, per 128 inputs over k-quants); ``None``: the model's
             (:func:`draftwise.models.default_activation_bits`).
         kv_cache_dtype: what the lean forward's caches keep keys and values in: ``"auto"`` (float16 beside quantised
             weights on the compiled CPU kernels, as llama.cpp's cache; the model's dtype otherwise) or a dtype name

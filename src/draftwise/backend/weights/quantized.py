@@ -12,7 +12,8 @@ nibbles where they fit in four bits, else one byte each, grouped four inputs to 
 
 The product is an integer dot product, as llama.cpp's: each row's activations are quantised per group of 32 inputs to
 16-bit fixed point (two int8 parts) or to 8 bits as llama.cpp's (see :data:`ACTIVATION_BITS`; some presets' files
-take 8 by default, :func:`draftwise.models.default_activation_bits`), the sums
+take 8 by default, :func:`draftwise.models.default_activation_bits`; over the k-quants' factored packing, 8 bits per
+128 inputs, whose integer sums the super-block's small scales weight before one float32 step), the sums
 of quant x activation are exact integers, and the float32 steps after them run in one fixed order per row. A row's
 result therefore never depends on the other rows of the call (a verification row is bitwise plain decoding's), and
 stays within about 1e-4 (relative) of the float product of the dequantised matrix at 16 bits, about 5e-3 at 8
@@ -34,9 +35,9 @@ from .products import Linear
 
 #: Quantisations weights can be quantised to on load, by name (``load_model(weights=...)``).
 KINDS = ("q8_0", "q4_0")
-#: The precisions a quantised product takes each row's activations in, per group of 32 inputs: 8 bits (an int8 and a
-#: scale, as llama.cpp's dot products take them) or 16 (two int8 parts: within a hair of the float product, at twice
-#: the integer multiplies).
+#: The precisions a quantised product takes each row's activations in: 8 bits (an int8 and a scale per 32 inputs, or
+#: per 128 over the k-quants, as llama.cpp's dot products take them) or 16 (two int8 parts per 32 inputs: within a
+#: hair of the float product, at twice the integer multiplies).
 ACTIVATION_BITS = (8, 16)
 
 
@@ -418,8 +419,8 @@ class QuantizedLinear(Linear):
         bias: ``(out_features,)`` or ``None`` (kept in float32).
         kernels: the compiled kernels' module (:func:`draftwise.backend.native.load_kernels`).
         min_rows, fixed_rows: as :class:`~draftwise.backend.weights.products.Linear`'s.
-        activation_bits: each row's activations quantised per group of 32 inputs to 8 bits (llama.cpp's precision)
-            or to 16 (two int8 parts: closer to the float product, twice the integer multiplies); see
+        activation_bits: each row's activations quantised to 8 bits (llama.cpp's precision; per group of 32
+            inputs, per 128 over a factored k-quant packing) or to 16 (two int8 parts: closer to the float product, twice the integer multiplies); see
             :data:`ACTIVATION_BITS`.
     """
 

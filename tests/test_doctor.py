@@ -56,8 +56,35 @@ def test_the_command_prints_the_machine_and_a_row_per_dtype(checkpoint, tmp_path
     assert "float32" in out and "bfloat16" in out and "yes (" in out
 
 
+def test_quantised_weights_are_diagnosed_beside_the_bandwidth_floor(tmp_path, capsys):
+    from gguf_files import TINY_QWEN, write_random_gguf
+
+    from draftwise.backend import native
+
+    if native.load_kernels(warn=False) is None:
+        pytest.skip("the kernels cannot be built here")
+    gguf = write_random_gguf(tmp_path / "tiny.gguf", TINY_QWEN, "Q4_K")
+    options = LoadOptions(device="cpu", weights="file", activation_bits=8, cache_dir=str(tmp_path / "cache"))
+    (item,) = diagnose(str(gguf), ["auto"], options, trials=2).dtypes
+    assert item.dtype == "float32" and item.weights == "file" and item.exact_trees
+    assert item.quantization.startswith("q4_k") and item.quantization.endswith("8-bit activations")
+    assert item.floor_ms > 0
+    row = as_rows(Diagnosis_of(item))[0]
+    assert row["1 row vs floor"].endswith("ms)") and row["4/8/16 rows vs 1"].count("x") == 3
+    code = cli.main(["doctor", "--model", str(gguf), "--trials", "2", "--device", "cpu", "--cache-dir",
+                     str(tmp_path / "cache")])  # a GGUF file's own blocks unless told
+    out = capsys.readouterr().out
+    assert code == 0 and "q4_k" in out and "floor" in out
+
+
+def Diagnosis_of(item):
+    from draftwise.doctor import Diagnosis
+
+    return Diagnosis("m", "cpu", False, "float32", torch.__version__, 1, [item])
+
+
 @pytest.mark.parametrize("arguments, message", [
-    (["--weights", "file"], "does not take --weights"),
+    (["--weights", "q8_0", "--dtype", "bfloat16"], "run float32 activations"),
     (["--dtype", "float32,int4"], "unknown dtype 'int4'"),
     (["--trials", "0"], "--trials"),
 ])

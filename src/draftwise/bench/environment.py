@@ -8,13 +8,13 @@ import os
 import platform
 import resource
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..backend.calibration.machine import cpu_model, read_bandwidth, weight_bytes
+from ..backend.calibration.machine import bandwidth_floor, cpu_model
 
 
 class PeakMemoryMeter:
@@ -127,33 +127,6 @@ def _row_plan(model: Any) -> dict[str, Any] | None:
         "exact_trees": model.exact_trees,
         "attention": model.attention_path,
         "huge_pages": model.huge_pages,
-    }
-
-
-def bandwidth_floor(model: Any, earlier: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The fastest plain decoding can be on this machine: every weight read once a token, at the read bandwidth
-    measured now (``weights_mb``, ``read_gb_per_s``, ``floor_ms_per_token``). An input embedding that is not also
-    the output head is left out: a token reads one of its rows. Block-quantised products count as packed.
-
-    With ``earlier`` (this function's result at a run's start), the faster of the two readings counts, and
-    ``read_gb_per_s_probes`` lists both: a floor bounds the run, and on some machines the bandwidth moves by half
-    within minutes (one probe read 38 GB/s at a run's start, and decoding then ran faster than that floor)."""
-    network = model if hasattr(model, "get_output_embeddings") else model.model  # (a target holds its model)
-    if getattr(model, "quantization", None):  # block-quantised products: the bytes they read, as packed
-        weights = sum(product.weight.numel() * product.weight.element_size() for product in model.products)
-    else:
-        weights = weight_bytes(network)
-        embedding, head = network.get_input_embeddings(), network.get_output_embeddings()
-        if embedding is not None and (head is None or head.weight.data_ptr() != embedding.weight.data_ptr()):
-            weights -= embedding.weight.numel() * embedding.weight.element_size()
-    bandwidth = read_bandwidth(model.device)
-    probes = [*(earlier or {}).get("read_gb_per_s_probes", []), bandwidth / 1e9]
-    bandwidth = max(probes) * 1e9
-    return {
-        "weights_mb": weights / 1e6,
-        "read_gb_per_s": bandwidth / 1e9,
-        "read_gb_per_s_probes": probes,
-        "floor_ms_per_token": 1000 * weights / bandwidth,
     }
 
 

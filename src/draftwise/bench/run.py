@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from ..models import LoadOptions, load_model
 from .anchors import ANCHOR_ROWS, LlamaCppRunner, anchor_gguf, source_gguf
 from .batched import BatchRecord, run_batched
 from .environment import PeakMemoryMeter, bandwidth_floor, environment
+from .llama_tools import LlamaToolRunner, ToolRow, find_tool, tool_row
 from .metrics import summarize
 from .prompts import Prompt, load_dataset, take_prompts
 from .results import Measurement, Record, ResultsWriter, results_header, row_label
@@ -70,11 +72,22 @@ class Row:
     @property
     def is_external(self) -> bool:
         """Whether another engine runs this row (transformers' ``generate`` or llama.cpp)."""
-        return self.method in EXTERNAL_ROWS
+        return is_external(self.method)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Methods and rows
+
+
+def is_external(method: str) -> bool:
+    """Whether another engine runs ``method``'s row: transformers' ``generate``, llama-cpp-python or llama.cpp's
+    tool (:mod:`~draftwise.bench.llama_tools`)."""
+    return method in EXTERNAL_ROWS or tool_row(method) is not None
+
+
+def runs_on_llama_cpp(method: str) -> bool:
+    """Whether ``method``'s row runs on llama.cpp (through llama-cpp-python or its tool)."""
+    return method in ANCHOR_ROWS or tool_row(method) is not None
 
 
 def parse_methods(text: str) -> list[str]:
@@ -104,7 +117,9 @@ def validate_methods(methods: Sequence[str]) -> list[str]:
     missing."""
     checked = []
     for method in methods:
-        if method not in EXTERNAL_ROWS:
+        if tool_row(method) is not None:
+            ToolRow.parse(method)
+        elif method not in EXTERNAL_ROWS:
             check_method(method)
         if method not in checked:
             checked.append(method)
@@ -134,7 +149,7 @@ def plan_rows(methods: Sequence[str], budgets: Sequence[int] | None = None) -> l
     (``ar`` and transformers' rows have no draft budget and run once)."""
     rows: list[Row] = []
     for method in methods:
-        drafts = method not in EXTERNAL_ROWS and parse_method(method)[0] != "ar"
+        drafts = not is_external(method) and parse_method(method)[0] != "ar"
         if budgets and drafts:
             rows += [Row(method, budget) for budget in budgets]
         else:
@@ -331,7 +346,7 @@ class RowTimer:
         runners."""
         if any(row.method == "hf-assisted" for row in rows) and self.draft_model is None:
             raise InvalidRequestError("hf-assisted needs a draft model (--draft-model)")
-        unready = [row.label for row in rows if row.method in ANCHOR_ROWS and row.method not in self.anchors]
+        unready = [row.label for row in rows if runs_on_llama_cpp(row.method) and row.method not in self.anchors]
         if unready:
             raise InvalidRequestError(f"rows {', '.join(unready)} need llama.cpp runners (see Benchmark.prepare)")
         if self.reference is None and any(row.method in HF_ROWS for row in rows):
@@ -343,7 +358,7 @@ class RowTimer:
         """One timed run of ``row`` on ``prompt_ids`` (``drafter``: the draftwise row's drafter, ``None`` for the
         other engines' rows)."""
         self.meter.reset()
-        if row.method in ANCHOR_ROWS:
+        if runs_on_llama_cpp(row.method):
             measured = self.anchors[row.method].measure(prompt_ids, max_new_tokens, self.eos, self.sampling)
         elif row.is_external:
             measured = measure_hf(
@@ -546,12 +561,15 @@ class BenchSettings:
             self.methods = [*self.methods, "hf-assisted"]
         if "hf-assisted" in self.methods and not self.draft_model:
             raise InvalidRequestError("hf-assisted needs a draft model: give it with --draft-model")
-        external = [method for method in self.methods if method in EXTERNAL_ROWS]
+        external = [method for method in self.methods if is_external(method)]
         sampling = self.sampling
         if external and (sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias):
             raise UnsupportedOptionError(f"the presence and frequency penalties and logit_bias are draftwise's; the "
                                          f"{', '.join(external)} rows cannot take them here")
         self.methods = validate_methods(self.methods)
+        tools = [method for method in self.methods if tool_row(method) is not None]
+        if tools and not sampling.greedy:
+            raise UnsupportedOptionError(f"the {', '.join(tools)} rows decode greedily: drop the sampling options")
 
 
 @dataclass
@@ -577,6 +595,11 @@ class Benchmark:
         """Check the settings, select the prompts, build every row's drafter once, then load the models
         (``load_target`` returns the model and tokenizer when given, instead of loading ``settings.model``)."""
         settings.check()
+        unbuilt = [method for method in settings.methods if tool_row(method) is not None]
+        if unbuilt and find_tool(settings.load.cache_dir) is None:
+            print(f"leaving out {', '.join(unbuilt)}: llama.cpp's tools are not built on this machine "
+                  f"(python -m draftwise.bench.llama_tools builds them)", file=sys.stderr)
+            settings.methods = [method for method in settings.methods if method not in unbuilt]
         rows = plan_rows(settings.methods, settings.budgets)
         prompts = load_dataset(
             settings.dataset, settings.data, settings.per_category, settings.seed_prompts, settings.categories
@@ -622,17 +645,26 @@ class Benchmark:
             "sampling": dataclasses.asdict(settings.sampling),
         }
         anchors = {}
-        wanted = [method for method in settings.methods if method in ANCHOR_ROWS]
+        wanted = [method for method in settings.methods if runs_on_llama_cpp(method)]
         if wanted:
             if getattr(model, "weights", None) == "file":  # the very file the target runs, as shipped
                 gguf = source_gguf(settings.model, settings.load.cache_dir)
             else:  # the file's matrices at the width the target reads them
                 gguf = anchor_gguf(settings.model, model.dtype, settings.load.cache_dir)
             config["anchor_gguf"] = gguf.name
+            threads = settings.threads or torch.get_num_threads()
             for method in wanted:
-                anchors[method] = LlamaCppRunner(
-                    gguf, lookup=method == "llama.cpp-pld", context=model.context_length, threads=settings.threads
-                )
+                if tool_row(method) is None:
+                    anchors[method] = LlamaCppRunner(
+                        gguf, lookup=method == "llama.cpp-pld", context=model.context_length, threads=settings.threads
+                    )
+                    continue
+                row = ToolRow.parse(method)
+                draft = source_gguf(row.draft_model, settings.load.cache_dir) if row.draft_model else None
+                tool = find_tool(settings.load.cache_dir)
+                assert tool is not None  # (rows without it were left out above)
+                anchors[method] = LlamaToolRunner(tool, row, gguf, draft, tokenizer,
+                                                  min(model.context_length, 4096), threads)
         env = environment(model, settings.model, draft_model=draft_model, draft_model_name=settings.draft_model)
         return cls(settings, prompts, rows, drafters, model, tokenizer, draft_model, config, env, anchors)
 

@@ -20,7 +20,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="methods side by side with transformers' generate")
     bench.add_argument("--methods", default=None,
                        help="methods separated by ',' or ';' (ar, pld, aded, recycling..., hf, hf-pld, hf-assisted, "
-                            "llama.cpp, llama.cpp-pld); a spec's own options continue it: "
+                            "llama.cpp, llama.cpp-pld, llama.cpp-draft:model=M, llama.cpp-ngram); a spec's own options continue it: "
                             f"ar,pld:max_ngram=4,draft_length=6,recycling (default {DEFAULT_METHODS})")
     bench.add_argument("--method", action="append", default=None, help="one more method spec (repeatable)")
     bench.add_argument("--dataset", default=BENCH_DEFAULTS.dataset, choices=DATASETS)

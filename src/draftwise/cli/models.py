@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from ..errors import InvalidRequestError
-from ..models import DEFAULT_MODEL, PRESETS, install_preset, is_installed
+from ..models import DEFAULT_MODEL, PRESETS, default_weights, install_preset, is_installed
 from .common import add_model_arguments, load_options
 
 #: Random trees ``draftwise doctor`` checks against plain decoding unless told otherwise.
@@ -52,8 +52,6 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     from ..doctor import as_rows, diagnose, flags_summary
 
-    if args.weights:
-        raise InvalidRequestError("doctor measures the float dtypes (--dtype); it does not take --weights")
     if args.enable_torch_compile:
         raise InvalidRequestError("doctor measures the eager forwards; it does not take --enable-torch-compile")
     if args.trials < 1:
@@ -62,6 +60,13 @@ def run_doctor(args: argparse.Namespace) -> int:
     options = load_options(args, dtype="auto")
     for dtype in dtypes:
         options.replace(dtype=dtype)  # (each one checked before anything loads)
+    # The weights a run of the model takes unless told (a preset's or GGUF file's own blocks on a CPU the kernels run
+    # on), with quantised weights in the one dtype they run in.
+    weights = args.weights or default_weights(args.model, options.replace(dtype=dtypes[0]))
+    if weights != "float":
+        if any(dtype not in ("auto", "float32") for dtype in dtypes):
+            raise InvalidRequestError(f"{weights} weights run float32 activations: drop --dtype or give float32")
+        options = options.replace(weights=weights)
     if args.threads:
         torch.set_num_threads(args.threads)
     diagnosis = diagnose(args.model, dtypes, options, args.trials)

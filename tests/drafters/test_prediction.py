@@ -52,7 +52,10 @@ def test_a_batch_takes_one_prediction_per_prompt(target):
     results = draftwise.generate(target, None, prompt_ids=prompts, method="pld", max_new_tokens=24,
                                  prediction=[expected[0], None, expected[2][::-1]])
     assert [result.token_ids for result in results] == expected
-    assert results[0].stats.accepted_prediction_tokens > 10 and results[1].stats.accepted_prediction_tokens == 0
+    # Each sequence accounts for its own prediction, whole, and the one without any for none (whether a step drafts
+    # at this batch size is the throughput rule's measured choice, so how much is accepted is not asserted here).
+    counts = [(result.stats.accepted_prediction_tokens, result.stats.rejected_prediction_tokens) for result in results]
+    assert sum(counts[0]) == len(expected[0]) and counts[1] == (0, 0) and sum(counts[2]) == len(expected[2])
 
 
 @pytest.mark.parametrize("prediction, message", [

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,15 +427,26 @@ def run(app: serve.Application, *, address: str | None = None, host: str = "127.
     """Start (or join, with ``address``: ``"auto"`` or ``"ray://head:10001"``) a Ray cluster, serve ``app`` on
     ``http://host:port`` (Serve's proxy; one per node that runs replicas) until interrupted, then take the
     application down (and the local Ray instance, when this call started it)."""
+    stop = threading.Event()
+    previous: dict[int, Any] = {}
     started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     try:
+        if started_here:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
         serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+        # From here Ctrl-C (and a termination request) set an event the call waits on instead of raising wherever
+        # the main thread is: raised inside Serve's own deploying calls, an interrupt was once swallowed there and the
+        # process served on. Off the main thread, signals stay as they are.
+        if threading.current_thread() is threading.main_thread():
+            previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGINT, signal.SIGTERM)}
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        while not stop.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         if started_here and address is None:
             serve.shutdown()  # the local instance is ours: all of it goes
         else:

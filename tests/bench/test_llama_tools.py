@@ -109,7 +109,7 @@ def test_without_the_tool_the_bench_leaves_the_rows_out_and_says_how_to_build_it
     gguf = write_random_gguf(tmp_path / "tiny.gguf", TINY_LLAMA, "Q8_0", head_type="Q8_0")
     code, written, err = bench(gguf, tmp_path, "ar,llama.cpp-ngram", capsys)
     assert code == 0, err
-    assert "leaving out llama.cpp-ngram" in err and "python -m draftwise.bench.llama_tools" in err
+    assert "leaving out llama.cpp-ngram" in err and "python -m draftwise.bench.build_llama_tools" in err
     assert {record["method"] for record in written["records"]} == {"ar"}
 
 
@@ -121,3 +121,18 @@ def test_the_tool_rows_in_a_bench_run(tmp_path, capsys, monkeypatch, fake_tool):
     records = [record for record in written["records"] if record["method"] != "ar"]
     assert {record["method"] for record in records} == {"llama.cpp-ngram", f"llama.cpp-draft:model={gguf}"}
     assert all(record["time_s"] == pytest.approx(0.75) for record in records)
+
+
+def test_a_build_without_cmake_or_llama_cpp_says_what_it_needs(tmp_path, monkeypatch):
+    import importlib.util
+
+    from draftwise.errors import InvalidRequestError
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        with pytest.raises(InvalidRequestError, match=r"draftwise\[anchors\]"):
+            llama_tools.build_tools(tmp_path, say=lambda line: None)
+        return
+    monkeypatch.setattr(llama_tools.shutil, "which", lambda name: None)
+    with pytest.raises(InvalidRequestError, match="cmake"):
+        llama_tools.build_tools(tmp_path, say=lambda line: None)
+    assert not (tmp_path / "llama.cpp").exists()

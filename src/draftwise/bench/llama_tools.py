@@ -6,7 +6,7 @@ llama-cpp-python runs plain decoding and a prompt-lookup draft (the ``llama.cpp`
 distribution of the installed version (the one the ``[anchors]`` extra installs), with the machine's own instruction
 set (``GGML_NATIVE``), into the cache folder::
 
-    python -m draftwise.bench.llama_tools            # build (a few minutes on two cores), or say where it is
+    python -m draftwise.bench.build_llama_tools      # build (a few minutes on two cores), or say where it is
 
 Rows (greedy only, as llama.cpp's speculation verifies greedily):
 
@@ -291,16 +291,3 @@ class LlamaToolRunner:
         ids = self.tokenizer.encode(answer.rstrip("\n"), add_special_tokens=False)[: int(decoded.group(1))]
         prompt_seconds = float(encoded.group(2))
         return Measurement(list(ids), prompt_seconds + float(decoded.group(2)), prompt_seconds)
-
-
-def main() -> None:
-    """``python -m draftwise.bench.llama_tools``: build the tool (or say where it is)."""
-    try:
-        build_tools(say=lambda line: print(line, file=sys.stderr, flush=True))
-    except InvalidRequestError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    main()

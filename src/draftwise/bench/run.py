@@ -598,7 +598,7 @@ class Benchmark:
         unbuilt = [method for method in settings.methods if tool_row(method) is not None]
         if unbuilt and find_tool(settings.load.cache_dir) is None:
             print(f"leaving out {', '.join(unbuilt)}: llama.cpp's tools are not built on this machine "
-                  f"(python -m draftwise.bench.llama_tools builds them)", file=sys.stderr)
+                  f"(python -m draftwise.bench.build_llama_tools builds them)", file=sys.stderr)
             settings.methods = [method for method in settings.methods if method not in unbuilt]
         rows = plan_rows(settings.methods, settings.budgets)
         prompts = load_dataset(

@@ -26,7 +26,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 printf '\\n\\n'
-cat "$prompt"
+head -c -1 "$prompt"
 printf ' the answer\\n\\n'
 echo "encoded   12 tokens in    0.250 seconds, speed:   48.000 t/s" >&2
 echo "decoded    3 tokens in    0.500 seconds, speed:    6.000 t/s" >&2
@@ -75,18 +75,21 @@ def test_the_rows_specs_are_checked():
 def test_the_runner_drives_the_tool_and_reads_its_timings(fake_tool, tmp_path):
     runner = LlamaToolRunner(fake_tool, ToolRow.parse("llama.cpp-draft:model=d,n_max=6"), tmp_path / "t.gguf",
                              tmp_path / "d.gguf", Characters(), context=512, threads=2)
-    prompt = "<|im_start|>user\nhi<|im_end|>"
+    prompt = "<|im_start|>user\nhi \\n<|im_end|>\n"  # (a backslash and a last newline, kept)
     measured = runner.measure(Characters().encode(prompt), 16, [], SamplingParams())
     assert Characters().decode(measured.token_ids) == " th"  # the answer, cut to the tokens it decoded
     assert measured.time_s == pytest.approx(0.75) and measured.time_to_first_token_s == pytest.approx(0.25)
     assert (runner.drafted, runner.accepted) == (4, 2)
     arguments = (fake_tool.parent / "arguments.txt").read_text().split()
     for flag, value in (("-m", str(tmp_path / "t.gguf")), ("-md", str(tmp_path / "d.gguf")), ("-n", "16"),
-                        ("--temp", "0"), ("-t", "2"), ("-c", "512"), ("--spec-draft-n-max", "6")):
+                        ("--temp", "0"), ("-t", "2"), ("-c", "512"), ("--spec-draft-n-max", "6"),
+                        ("--spec-type", "draft-simple")):
         assert arguments[arguments.index(flag) + 1] == value
+    assert "--no-escape" in arguments
     ngram = LlamaToolRunner(fake_tool, ToolRow.parse("llama.cpp-ngram:type=ngram-mod"), tmp_path / "t.gguf", None,
                             Characters(), context=512, threads=1)
-    ngram.measure([104, 105], 4, [], SamplingParams())
+    cut = ngram.measure([104, 105], 2, [], SamplingParams())  # three decoded, two asked for
+    assert len(cut.token_ids) == 2 and cut.time_s == pytest.approx(0.25 + 0.5 * 2 / 3)
     arguments = (fake_tool.parent / "arguments.txt").read_text().split()
     assert arguments[arguments.index("--spec-type") + 1] == "ngram-mod" and "-md" not in arguments
     with pytest.raises(UnsupportedOptionError, match="greedily"):

@@ -252,9 +252,9 @@ class LlamaToolRunner:
         """The tool's command line for one run."""
         command = [str(self.tool), "-m", str(self.gguf_path), "-f", str(prompt_file), "-n", str(max_new_tokens),
                    "--temp", "0", "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.context),
-                   "--no-warmup"]
+                   "--no-escape"]  # (the prompt as written: a backslash in it stays one)
         if self.row.draft_model is not None:
-            command += ["-md", str(self.draft_gguf), "-td", str(self.threads)]
+            command += ["-md", str(self.draft_gguf), "-td", str(self.threads), "--spec-type", "draft-simple"]
         else:
             command += ["--spec-type", str(self.row.ngram_type)]
         if self.row.n_max is not None:
@@ -272,7 +272,7 @@ class LlamaToolRunner:
         prompt = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
         with tempfile.TemporaryDirectory() as scratch:
             prompt_file = Path(scratch) / "prompt.txt"
-            prompt_file.write_text(prompt)
+            prompt_file.write_text(prompt + "\n")  # (the tool drops a file's last newline: the prompt's own stays)
             done = subprocess.run(self.command(prompt_file, max_new_tokens), capture_output=True, text=True,
                                   check=False)
         if done.returncode != 0:
@@ -288,6 +288,11 @@ class LlamaToolRunner:
         start = answer.find(prompt)
         answer = answer[start + len(prompt):] if start >= 0 else answer
         answer = answer.split("\nencoded ", 1)[0]  # (where its log lines share the output)
-        ids = self.tokenizer.encode(answer.rstrip("\n"), add_special_tokens=False)[: int(decoded.group(1))]
+        # (a last step's accepted drafts may carry it past max_new_tokens: those are cut, and their share of the
+        # decoding time with them)
+        count = int(decoded.group(1))
+        kept = min(count, max_new_tokens)
+        ids = self.tokenizer.encode(answer.rstrip("\n"), add_special_tokens=False)[:kept]
         prompt_seconds = float(encoded.group(2))
-        return Measurement(list(ids), prompt_seconds + float(decoded.group(2)), prompt_seconds)
+        decode_seconds = float(decoded.group(2)) * (kept / count if count else 1.0)
+        return Measurement(list(ids), prompt_seconds + decode_seconds, prompt_seconds)

@@ -37,6 +37,17 @@ def quantized_activations(inputs: np.ndarray, activation_bits: int = 16) -> tupl
     return fixed, (scales / np.float32(256)).astype(np.float32)
 
 
+def ordered_sum(values: np.ndarray, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's last steps: ``values`` ``(rows, out, parts)`` float32 added into each output one part after the
+    other from zero, then the bias."""
+    total = np.zeros(values.shape[:2], np.float32)
+    for part in range(values.shape[2]):
+        total = total + values[:, :, part]
+    if bias is not None:
+        total = total + bias.numpy().astype(np.float32)
+    return torch.from_numpy(total.astype(np.float32))
+
+
 def reference_product(inputs: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tensor | None,
                       activation_bits: int = 16) -> torch.Tensor:
     """What ``quantized_linear`` computes for ``inputs`` over ``matrix`` (and ``bias``) with activations in
@@ -57,12 +68,7 @@ def reference_product(inputs: torch.Tensor, matrix: QuantizedMatrix, bias: torch
     if matrix.offsets is not None:
         scaled_sums = (scales * quants.sum(-1).astype(np.float32)).astype(np.float32)
         values = values + matrix.offsets[None] * scaled_sums[:, None, :]
-    total = np.zeros((rows, out), np.float32)
-    for group in range(groups):
-        total = total + values[:, :, group]
-    if bias is not None:
-        total = total + bias.numpy().astype(np.float32)
-    return torch.from_numpy(total.astype(np.float32))
+    return ordered_sum(values, bias)
 
 
 #: Groups of 32 inputs sharing one activation scale in the super-block arithmetic.
@@ -105,9 +111,4 @@ def super_block_product(inputs: torch.Tensor, matrix: QuantizedMatrix, bias: tor
         super_offset = np.repeat(factors.offset, per_block, axis=1)
         shifted = (super_offset[None] * offsets.astype(np.float32)).astype(np.float32)
         values = (values + (shifted * d[:, None, :]).astype(np.float32)).astype(np.float32)
-    total = np.zeros((rows, out), np.float32)
-    for index in range(supers):
-        total = total + values[:, :, index]
-    if bias is not None:
-        total = total + bias.numpy().astype(np.float32)
-    return torch.from_numpy(total.astype(np.float32))
+    return ordered_sum(values, bias)

@@ -596,7 +596,8 @@ class Benchmark:
         (``load_target`` returns the model and tokenizer when given, instead of loading ``settings.model``)."""
         settings.check()
         unbuilt = [method for method in settings.methods if tool_row(method) is not None]
-        if unbuilt and find_tool(settings.load.cache_dir) is None:
+        tool = find_tool(settings.load.cache_dir) if unbuilt else None
+        if unbuilt and tool is None:
             print(f"leaving out {', '.join(unbuilt)}: llama.cpp's tools are not built on this machine "
                   f"(python -m draftwise.bench.build_llama_tools builds them)", file=sys.stderr)
             settings.methods = [method for method in settings.methods if method not in unbuilt]
@@ -659,10 +660,8 @@ class Benchmark:
                         gguf, lookup=method == "llama.cpp-pld", context=model.context_length, threads=settings.threads
                     )
                     continue
-                row = ToolRow.parse(method)
+                row = ToolRow.parse(method)  # (the tool is built: rows without it were left out above)
                 draft = source_gguf(row.draft_model, settings.load.cache_dir) if row.draft_model else None
-                tool = find_tool(settings.load.cache_dir)
-                assert tool is not None  # (rows without it were left out above)
                 anchors[method] = LlamaToolRunner(tool, row, gguf, draft, tokenizer,
                                                   min(model.context_length, 4096), threads)
         env = environment(model, settings.model, draft_model=draft_model, draft_model_name=settings.draft_model)
